@@ -1,0 +1,83 @@
+"""``swarm`` command line: a thin dispatcher; each subcommand lives in its own module.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and is
+imported only when that subcommand runs, so ``swarm --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from swarm.errors import SwarmError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "keygen": ("swarm.cli.keys", "write a new Ed25519 identity key and print its peer id"),
+    "inspect": ("swarm.cli.inspect", "pretty-print a signed manifest or a key file"),
+    "demo": ("swarm.cli.demo", "run the end-to-end demo on this machine"),
+}
+
+# name -> {subname: (module, help)}
+GROUPS: dict[str, dict[str, tuple[str, str]]] = {
+    "bench": {},
+}
+
+
+def _load(module: str) -> object:
+    return importlib.import_module(module)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarm",
+        description="Ship bit-exact sparse RL weight deltas peer to peer.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    argv = sys.argv[1:]
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        if name in argv:
+            _load(module).add_arguments(p)  # type: ignore[attr-defined]
+    for group, members in GROUPS.items():
+        if not members:
+            continue
+        g = sub.add_parser(group, help=f"{group} subcommands")
+        gsub = g.add_subparsers(dest="subcommand", metavar="WHAT", required=True)
+        for name, (module, help_text) in members.items():
+            p = gsub.add_parser(name, help=help_text, description=help_text)
+            p.set_defaults(_module=module)
+            if group in argv and name in argv:
+                _load(module).add_arguments(p)  # type: ignore[attr-defined]
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    parser = build_parser()
+    args = parser.parse_args()
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    module = _load(args._module)
+    try:
+        code: int = module.run(args)  # type: ignore[attr-defined]
+    except SwarmError as exc:
+        print(f"swarm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("swarm: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
