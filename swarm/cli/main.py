@@ -19,11 +19,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("swarm.cli.keys", "write a new Ed25519 identity key and print its peer id"),
     "inspect": ("swarm.cli.inspect", "pretty-print a signed manifest or a key file"),
     "demo": ("swarm.cli.demo", "run the end-to-end demo on this machine"),
+    "simulate": ("swarm.sim.cli", "simulate a swarm distributing one or more steps"),
 }
 
 # name -> {subname: (module, help)}
 GROUPS: dict[str, dict[str, tuple[str, str]]] = {
-    "bench": {},
+    "bench": {
+        "codec": ("swarm.bench.codec", "delta codec size and speed vs baselines and memcpy"),
+        "transport": ("swarm.bench.transport", "data plane vs py-libp2p streams vs raw TCP"),
+    },
 }
 
 
