@@ -1,0 +1,1 @@
+"""Sans-IO protocol cores: chunk exchange, piece picking, leases, scheduling."""
