@@ -1,0 +1,1 @@
+"""Role drivers (trainer, rollout peer, bootstrap) and their persistent state."""
