@@ -1,0 +1,55 @@
+"""The `swarm` command: keygen, inspect, demo; and the light `import swarm`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from swarm.cli.main import main
+from swarm.identity import Identity
+
+
+def test_import_swarm_is_light() -> None:
+    code = ("import sys, swarm, swarm.content, swarm.cli.main; "
+            "heavy = [m for m in ('torch', 'libp2p', 'vllm', 'trio') if m in sys.modules]; "
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_keygen_then_inspect(tmp_path: Path, capsys: object) -> None:
+    key = tmp_path / "me.key"
+    assert main(["keygen", "-o", str(key)]) == 0
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    peer_id = Identity.load(key).peer_id
+    assert main(["inspect", str(key)]) == 0
+    assert main(["keygen", "-o", str(key)]) == 2  # refuses to overwrite
+    out = capsys.readouterr()  # type: ignore[attr-defined]
+    assert peer_id in out.out and "already exists" in out.err
+
+
+def test_demo_and_inspect_manifest(tmp_path: Path, capsys: object) -> None:
+    assert main(["demo", "--dir", str(tmp_path), "--hidden", "64", "--layers", "1"]) == 0
+    trainer = Identity.load(tmp_path / "trainer.key")
+    manifest = tmp_path / "step-0.manifest"
+    assert main(["inspect", str(manifest), "--trainer", trainer.peer_id]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    assert "signature     valid" in out and "root matches" in out
+    other = Identity.from_seed(b"z" * 32).peer_id
+    assert main(["inspect", str(manifest), "--trainer", other]) == 2
+    raw = bytearray(manifest.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    manifest.write_bytes(bytes(raw))
+    assert main(["inspect", str(manifest)]) == 2
+
+
+def test_inspect_garbage_is_a_clean_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.write_bytes(os.urandom(100))
+    out = subprocess.run([sys.executable, "-m", "swarm.cli.main", "inspect", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "swarm: error:" in out.stderr
+    assert "Traceback" not in out.stderr
