@@ -1,0 +1,54 @@
+"""Parsing the multiaddrs swarm uses, without importing libp2p.
+
+Accepted forms: ``/ip4/A/tcp/P``, ``/ip6/A/tcp/P`` and ``/dns4/NAME/tcp/P`` (``/dns``,
+``/dns6`` too), each optionally followed by ``/p2p/<peer id>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.errors import SignatureError
+from swarm.identity import public_key_from_peer_id
+from swarm.net.transport import PeerUnreachable
+
+_HOST_PROTOCOLS = frozenset({"ip4", "ip6", "dns", "dns4", "dns6"})
+
+
+@dataclass(frozen=True, slots=True)
+class TcpAddress:
+    """A TCP endpoint and, when the address pins one, the peer id expected there."""
+
+    host: str
+    port: int
+    peer_id: str | None = None
+    family: str = "ip4"
+
+    def multiaddr(self) -> str:
+        base = f"/{self.family}/{self.host}/tcp/{self.port}"
+        return base + (f"/p2p/{self.peer_id}" if self.peer_id else "")
+
+
+def parse_tcp_multiaddr(text: str) -> TcpAddress:
+    """Parse a TCP multiaddr.
+
+    :raises PeerUnreachable: the text is not one of the accepted forms, or its peer id
+        is not an Ed25519 libp2p peer id.
+    """
+    parts = text.split("/")
+    if len(parts) not in (5, 7) or parts[0] != "" or parts[1] not in _HOST_PROTOCOLS \
+            or parts[3] != "tcp":
+        raise PeerUnreachable(
+            f"not a TCP multiaddr: {text!r:.120} (expected /ip4/A/tcp/P[/p2p/ID])")
+    if not parts[4].isdigit() or not 0 < int(parts[4]) < 65536:
+        raise PeerUnreachable(f"bad TCP port in {text!r:.120}")
+    peer_id = None
+    if len(parts) == 7:
+        if parts[5] != "p2p":
+            raise PeerUnreachable(f"expected /p2p/<peer id> at the end of {text!r:.120}")
+        peer_id = parts[6]
+        try:
+            public_key_from_peer_id(peer_id)
+        except SignatureError as exc:
+            raise PeerUnreachable(f"{text!r:.120}: {exc}") from exc
+    return TcpAddress(parts[2], int(parts[4]), peer_id, parts[1])

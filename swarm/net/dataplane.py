@@ -1,0 +1,539 @@
+"""The data plane: direct, authenticated, encrypted asyncio TCP between peers.
+
+Each connection runs the handshake of :mod:`swarm.net.handshake` (both ends prove their
+Ed25519 identity over the session's X25519 keys), then carries AEAD-sealed frames
+(:mod:`swarm.wire.frames`): one frame per message, up to ``max_message_bytes``. There
+are no request/response round trips in the transport itself, so any number of requests
+are in flight (pipelined) on one connection. The driver is a
+:class:`asyncio.BufferedProtocol`: large frames are received straight into their final
+buffer, and no task exists per connection (only callbacks and timers), so closing the
+plane leaves nothing running.
+
+Bad input closes the connection and scores the peer down (when its identity is known):
+an oversized frame header, a frame failing authentication, a malformed or out-of-order
+handshake, a handshake not done within ``handshake_timeout``, a peer stalling mid-frame
+for ``stall_timeout``, a peer over ``max_connections_per_peer``. Memory per connection
+is bounded by one frame plus the read scratch buffer plus the write high-water mark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+from swarm.errors import DecodeError, RemoteProtocolError
+from swarm.identity import Identity
+from swarm.net.addresses import parse_tcp_multiaddr
+from swarm.net.handshake import (
+    CIPHERS,
+    MAX_HANDSHAKE_BYTES,
+    TAG_LEN,
+    ClientHandshake,
+    ServerHandshake,
+    Session,
+)
+from swarm.net.queues import EventQueue, Inbox
+from swarm.net.scoring import PeerScores, ScoreConfig
+from swarm.net.transport import (
+    Message,
+    MessageTooLarge,
+    Path,
+    PeerEvent,
+    PeerIdMismatch,
+    PeerUnreachable,
+    TransportClosed,
+)
+from swarm.wire.frames import FrameReader, encode_frame, encode_header
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneConfig:
+    """Settings of the direct data plane."""
+
+    #: Interface to listen on.
+    host: str = "127.0.0.1"
+    #: TCP port to listen on (0: any free port).
+    port: int = 0
+    #: Accept inbound connections (False: dial only).
+    listen: bool = True
+    #: AEADs offered/accepted, preferred first.
+    ciphers: tuple[str, ...] = CIPHERS
+    #: The largest message (frame plaintext) sent or accepted.
+    max_message_bytes: int = (16 << 20) + (64 << 10)
+    #: Seconds for a dial plus the whole handshake.
+    handshake_timeout: float = 5.0
+    #: Seconds a peer may stall in the middle of a frame before it is dropped.
+    stall_timeout: float = 10.0
+    #: Connections in total (inbound and outbound, including handshakes).
+    max_connections: int = 256
+    #: Connections from or to one peer; more is a protocol violation.
+    max_connections_per_peer: int = 8
+    #: Bytes queued for the socket before ``send`` waits.
+    write_high_water: int = 8 << 20
+    #: Inbound messages queued before reading pauses (standalone :class:`DirectTransport`).
+    inbox_depth: int = 256
+    #: Peer events queued (standalone :class:`DirectTransport`).
+    event_depth: int = 1024
+    scores: ScoreConfig = field(default_factory=ScoreConfig)
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One TCP connection, client or server side; driven by asyncio callbacks."""
+
+    def __init__(self, plane: DataPlane, client: ClientHandshake | None, *,
+                 refuse: str = "") -> None:
+        self.plane = plane
+        self.refuse = refuse
+        self._hello_done = False
+        self.loop = asyncio.get_running_loop()
+        self.client = client
+        self.server = None if client else ServerHandshake(plane.identity,
+                                                          ciphers=plane.config.ciphers)
+        self.reader = FrameReader(MAX_HANDSHAKE_BYTES, scratch=64 << 10)
+        self.session: Session | None = None
+        self.peer_id: str | None = client.expected_peer_id if client else None
+        self.transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[str] = self.loop.create_future()
+        self.lost: asyncio.Future[None] = self.loop.create_future()
+        self.registered = False
+        self.closing = False
+        self.reason = ""
+        self._write_ok = asyncio.Event()
+        self._write_ok.set()
+        self._reading_paused = False
+        self._last_progress = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio callbacks -----------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if self.refuse:
+            self.reason = self.refuse
+            self.abort()
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(high=self.plane.config.write_high_water)
+        self.plane._conns_all.add(self)
+        self._timer = self.loop.call_later(self.plane.config.handshake_timeout,
+                                           self._handshake_expired)
+        if self.client is not None:
+            transport.write(encode_frame(self.client.hello()))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.reader.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last_progress = self.loop.time()
+        try:
+            self.reader.advance(nbytes)
+        except DecodeError as exc:
+            self.fail(f"protocol violation: {exc}")
+            return
+        self._process()
+
+    def eof_received(self) -> bool:
+        if self.reader.mid_frame:
+            self.reason = self.reason or "peer closed mid-frame"
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.closing = True
+        self._write_ok.set()
+        reason = self.reason or (f"connection lost: {exc}" if exc else "closed by peer")
+        if not self.ready.done():
+            self.ready.set_exception(PeerUnreachable(f"data-plane handshake failed: {reason}"))
+            self.ready.exception()  # retrieved here; the dialer gets it too if it awaits
+        self.plane._on_lost(self, reason)
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_ok.clear()
+
+    def resume_writing(self) -> None:
+        self._write_ok.set()
+
+    # -- frames ----------------------------------------------------------------------
+    def _process(self) -> None:
+        while not self.closing and not self._reading_paused:
+            item = self.reader.next_frame_with_header()
+            if item is None:
+                break
+            header, body = item
+            try:
+                if self.session is None:
+                    self._handshake(body)
+                else:
+                    payload = self.session.open(header, body)
+                    assert self.peer_id is not None
+                    if not self.plane.inbox.offer(Message(self.peer_id, payload)):
+                        self._pause_reading()
+            except PeerIdMismatch as exc:
+                self.fail(str(exc), penalize=False, error=exc)
+            except RemoteProtocolError as exc:
+                self.fail(f"protocol violation: {exc}")
+        if not self.closing and self.reader.mid_frame and self._timer is None:
+            self._timer = self.loop.call_later(self.plane.config.stall_timeout,
+                                               self._check_stall)
+
+    def _pause_reading(self) -> None:
+        if self.transport is not None and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+            self.plane.inbox.when_space(self._resume_reading)
+
+    def _resume_reading(self) -> None:
+        if not self._reading_paused or self.closing or self.transport is None:
+            return
+        self._reading_paused = False
+        self._process()
+        if not self._reading_paused and not self.closing:
+            self.transport.resume_reading()
+
+    def _handshake(self, body: bytearray) -> None:
+        assert self.transport is not None
+        if self.client is not None:
+            result = self.client.receive_server(body)
+            self.transport.write(encode_frame(result.auth))
+            self._established(result.session)
+        else:
+            assert self.server is not None
+            if not self._hello_done:
+                self.transport.write(encode_frame(self.server.receive_hello(body)))
+                self._hello_done = True
+            else:
+                self._established(self.server.receive_auth(body))
+
+    def _established(self, session: Session) -> None:
+        self.session = session
+        self.peer_id = session.peer_id
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        refusal = self.plane._admit(self)
+        if refusal:
+            self.fail(refusal, penalize=False)
+            return
+        self.reader.max_frame = self.plane.config.max_message_bytes + TAG_LEN
+        if not self.ready.done():
+            self.ready.set_result(session.peer_id)
+
+    # -- timers ----------------------------------------------------------------------
+    def _handshake_expired(self) -> None:
+        self._timer = None
+        if self.session is None:
+            self.fail("handshake timed out")
+
+    def _check_stall(self) -> None:
+        self._timer = None
+        if self.closing or not self.reader.mid_frame or self._reading_paused:
+            return
+        idle = self.loop.time() - self._last_progress
+        if idle >= self.plane.config.stall_timeout:
+            self.fail(f"stalled mid-frame for {idle:.1f} s")
+        else:
+            self._timer = self.loop.call_later(self.plane.config.stall_timeout - idle,
+                                               self._check_stall)
+
+    # -- actions ---------------------------------------------------------------------
+    def fail(self, reason: str, *, penalize: bool = True, error: Exception | None = None
+             ) -> None:
+        """Drop the connection at once; score the peer down when ``penalize``.
+
+        A dial still waiting on this connection fails with ``error`` when given.
+        """
+        if self.closing:
+            return
+        self.reason = reason
+        if error is not None and not self.ready.done():
+            self.ready.set_exception(error)
+            self.ready.exception()
+        logger.info("data-plane connection to %s dropped: %s", self.peer_id or "?", reason)
+        if penalize and self.peer_id is not None:
+            self.plane.scores.penalize(self.peer_id, reason)
+        self.abort()
+
+    def abort(self) -> None:
+        self.closing = True
+        self._write_ok.set()
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def send(self, payload: bytes | memoryview) -> None:
+        while not self._write_ok.is_set():
+            await self._write_ok.wait()
+        if self.closing or self.session is None or self.transport is None:
+            raise PeerUnreachable(f"connection to {self.peer_id} is closed")
+        size = len(payload) + TAG_LEN
+        header = encode_header(size)
+        out = bytearray(4 + size)
+        out[:4] = header
+        self.session.seal_into(header, payload, memoryview(out)[4:])
+        self.transport.write(out)
+
+    @property
+    def write_backlog(self) -> int:
+        return self.transport.get_write_buffer_size() if self.transport else 0
+
+
+class DataPlane:
+    """Direct connections to peers; an async context manager owning its server socket.
+
+    Inbound messages go to ``inbox`` and connect/disconnect events to ``on_event``; both
+    are shared with the libp2p node when the data plane is part of one.
+    """
+
+    def __init__(self, identity: Identity, config: DataPlaneConfig, *, inbox: Inbox,
+                 on_event: Callable[[PeerEvent], None], scores: PeerScores) -> None:
+        self.identity = identity
+        self.config = config
+        self.inbox = inbox
+        self.on_event = on_event
+        self.scores = scores
+        self._server: asyncio.Server | None = None
+        self._conns_all: set[_Connection] = set()
+        self._peers: dict[str, list[_Connection]] = {}
+        self._closed = False
+        self._address: tuple[str, int] | None = None
+
+    async def __aenter__(self) -> Self:
+        if self.config.listen:
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(
+                self._accept, self.config.host, self.config.port, reuse_address=True)
+            sockname = self._server.sockets[0].getsockname()
+            self._address = (str(sockname[0]), int(sockname[1]))
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        conns = list(self._conns_all)
+        for conn in conns:
+            conn.reason = conn.reason or "closed"
+            conn.abort()
+        for conn in conns:
+            with contextlib.suppress(asyncio.CancelledError):
+                await conn.lost
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) this plane listens on, or None."""
+        return self._address
+
+    def _accept(self) -> _Connection:
+        refuse = ""
+        if self._closed:
+            refuse = "closing"
+        elif len(self._conns_all) >= self.config.max_connections:
+            refuse = "over max_connections"
+        return _Connection(self, None, refuse=refuse)
+
+    def _admit(self, conn: _Connection) -> str:
+        """Register an authenticated connection; returns a refusal reason or ''."""
+        peer = conn.peer_id
+        assert peer is not None
+        if self._closed:
+            return "closing"
+        if peer == self.identity.peer_id:
+            return "connected to self"
+        if self.scores.is_banned(peer):
+            return f"peer {peer} is banned"
+        conns = self._peers.setdefault(peer, [])
+        if len(conns) >= self.config.max_connections_per_peer:
+            self.scores.penalize(peer, "too many connections")
+            return "over max_connections_per_peer"
+        conns.append(conn)
+        conn.registered = True
+        if len(conns) == 1:
+            self.on_event(PeerEvent(peer, True, Path.DIRECT))
+        return ""
+
+    def _on_lost(self, conn: _Connection, reason: str) -> None:
+        self._conns_all.discard(conn)
+        if not conn.registered or conn.peer_id is None:
+            return
+        conn.registered = False
+        conns = self._peers.get(conn.peer_id, [])
+        if conn in conns:
+            conns.remove(conn)
+        if not conns:
+            self._peers.pop(conn.peer_id, None)
+            self.on_event(PeerEvent(conn.peer_id, False, Path.DIRECT, reason))
+
+    async def connect(self, host: str, port: int, expected_peer_id: str | None, *,
+                      connections: int = 1) -> str:
+        """Open ``connections`` authenticated connections to ``host:port``.
+
+        :raises PeerIdMismatch: the server proved another key than ``expected_peer_id``.
+        :raises PeerUnreachable: refused, timed out, or the handshake failed.
+        """
+        if self._closed:
+            raise TransportClosed("data plane is closed")
+        if expected_peer_id is not None and self.scores.is_banned(expected_peer_id):
+            raise PeerUnreachable(f"peer {expected_peer_id} is banned")
+        peer = expected_peer_id
+        for _ in range(connections):
+            peer = await self._dial(host, port, peer)
+        assert peer is not None
+        return peer
+
+    async def _dial(self, host: str, port: int, expected: str | None) -> str:
+        if len(self._conns_all) >= self.config.max_connections:
+            raise PeerUnreachable("over max_connections")
+        loop = asyncio.get_running_loop()
+        hs = ClientHandshake(self.identity, expected_peer_id=expected,
+                             ciphers=self.config.ciphers)
+        conn: _Connection | None = None
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout):
+                _, proto = await loop.create_connection(
+                    lambda: _Connection(self, hs), host, port)
+                conn = proto
+                return await asyncio.shield(conn.ready)
+        except TimeoutError as exc:
+            raise PeerUnreachable(f"data plane {host}:{port}: handshake timed out") from exc
+        except OSError as exc:
+            raise PeerUnreachable(f"data plane {host}:{port}: {exc}") from exc
+        finally:
+            if conn is not None and not (conn.ready.done() and not conn.ready.exception()):
+                conn.abort()
+
+    def peers(self) -> frozenset[str]:
+        return frozenset(self._peers)
+
+    def has_peer(self, peer_id: str) -> bool:
+        return peer_id in self._peers
+
+    async def send(self, peer_id: str, payload: bytes | memoryview) -> None:
+        """Send one message over the least-loaded connection to ``peer_id``.
+
+        With several connections to one peer, messages may be reordered between them.
+        """
+        if len(payload) > self.config.max_message_bytes:
+            raise MessageTooLarge(
+                f"{len(payload)} bytes is over the bound {self.config.max_message_bytes}")
+        conns = self._peers.get(peer_id)
+        if not conns:
+            raise PeerUnreachable(f"no data-plane connection to {peer_id}")
+        conn = conns[0] if len(conns) == 1 else min(conns, key=lambda c: c.write_backlog)
+        await conn.send(payload)
+
+    async def disconnect(self, peer_id: str, reason: str = "") -> None:
+        conns = list(self._peers.get(peer_id, ()))
+        for conn in conns:
+            conn.reason = reason or "closed"
+            conn.abort()
+        for conn in conns:
+            await conn.lost
+
+    def drop(self, peer_id: str, reason: str) -> None:
+        """Abort every connection to ``peer_id`` now (from synchronous code)."""
+        for conn in list(self._peers.get(peer_id, ())):
+            conn.reason = reason
+            conn.abort()
+
+
+class DirectTransport:
+    """A :class:`~swarm.net.transport.Transport` over the data plane alone (no libp2p).
+
+    Addresses are ``/ip4/H/tcp/P/p2p/<peer id>``; a peer is "connected" once one
+    authenticated connection exists. Used by ``swarm bench transport`` and by tests;
+    the libp2p node embeds the same :class:`DataPlane`.
+    """
+
+    def __init__(self, identity: Identity, config: DataPlaneConfig | None = None) -> None:
+        self.config = config or DataPlaneConfig()
+        self.identity = identity
+        self._inbox = Inbox(self.config.inbox_depth)
+        self._events = EventQueue(self.config.event_depth)
+        self._scores = PeerScores(self.config.scores)
+        self.plane = DataPlane(identity, self.config, inbox=self._inbox,
+                               on_event=self._events.push, scores=self._scores)
+        self._entered = False
+
+    async def __aenter__(self) -> Self:
+        if self._entered:
+            raise TransportClosed("a transport is entered once")
+        self._entered = True
+        await self.plane.__aenter__()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.plane.aclose()
+        self._inbox.close()
+        self._events.close()
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def listen_addresses(self) -> tuple[str, ...]:
+        addr = self.plane.address
+        if addr is None:
+            return ()
+        return (f"/ip4/{addr[0]}/tcp/{addr[1]}/p2p/{self.peer_id}",)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.config.max_message_bytes
+
+    async def connect(self, address: str, *, connections: int = 1) -> str:
+        if self._inbox.closed:
+            raise TransportClosed("transport is closed")
+        target = parse_tcp_multiaddr(address)
+        if target.peer_id is not None and self.plane.has_peer(target.peer_id) \
+                and connections == 1:
+            return target.peer_id
+        return await self.plane.connect(target.host, target.port, target.peer_id,
+                                        connections=connections)
+
+    async def send(self, peer_id: str, payload: bytes) -> None:
+        if self._inbox.closed:
+            raise TransportClosed("transport is closed")
+        await self.plane.send(peer_id, payload)
+
+    async def recv(self) -> Message:
+        return await self._inbox.get()
+
+    async def next_event(self) -> PeerEvent:
+        return await self._events.get()
+
+    def connected_peers(self) -> frozenset[str]:
+        return self.plane.peers()
+
+    async def disconnect(self, peer_id: str, reason: str = "") -> None:
+        await self.plane.disconnect(peer_id, reason)
+
+    def penalize(self, peer_id: str, reason: str, *, disconnect: bool = True) -> None:
+        self._scores.penalize(peer_id, reason)
+        if disconnect:
+            self.plane.drop(peer_id, reason)
+
+    def score(self, peer_id: str) -> float:
+        return self._scores.score(peer_id)
