@@ -1,0 +1,87 @@
+"""Torch helpers shared by the engines: dtype names, raw bytes, digests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from swarm.engines import EngineUpdateError, tensor_digest
+
+_BY_NAME: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "uint16": torch.uint16,
+    "int16": torch.int16,
+    "uint32": torch.uint32,
+    "int32": torch.int32,
+    "uint64": torch.uint64,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+_BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The layout name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    try:
+        return _BY_DTYPE[dtype]
+    except KeyError:
+        raise EngineUpdateError(f"unsupported dtype {dtype}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a layout dtype name."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise EngineUpdateError(f"unsupported dtype {name!r}") from None
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's raw bytes in C order, on the CPU (a copy only when needed)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data.cast("B")
+
+
+def digest_of(t: torch.Tensor) -> bytes:
+    """``swarm.engines.tensor_digest`` of a torch tensor."""
+    return tensor_digest(dtype_name(t.dtype), tuple(t.shape), raw_bytes(t))
+
+
+def from_bytes(dtype: str, shape: Sequence[int], data: bytes) -> torch.Tensor:
+    """A CPU tensor rebuilt from ``raw_bytes`` output (it owns a copy of the data).
+
+    :raises EngineUpdateError: the byte count does not match dtype and shape.
+    """
+    dt = torch_dtype(dtype)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dt.itemsize != len(data):
+        raise EngineUpdateError(
+            f"{len(data)} bytes do not hold a {dtype} tensor of shape {tuple(shape)}"
+        )
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=dt)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf.view(dt).reshape(tuple(shape))
+
+
+def check_update(name: str, target_shape: Sequence[int], target_dtype: torch.dtype,
+                 value: torch.Tensor) -> None:
+    """:raises EngineUpdateError: ``value`` cannot be written over the named tensor."""
+    if tuple(value.shape) != tuple(target_shape):
+        raise EngineUpdateError(
+            f"{name}: update has shape {tuple(value.shape)}, engine holds {tuple(target_shape)}"
+        )
+    if value.dtype != target_dtype:
+        raise EngineUpdateError(
+            f"{name}: update has dtype {value.dtype}, engine holds {target_dtype}"
+        )

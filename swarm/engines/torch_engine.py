@@ -1,0 +1,219 @@
+"""A rollout engine over a transformers causal LM (CPU or GPU), generating with a KV cache.
+
+Prompts are generated one at a time (no padding), so a prompt's tokens do not depend on
+the other prompts of its batch, and greedy decoding is exactly reproducible.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import torch
+
+from swarm.engines import Completion, EngineUpdateError, Sampling, request_seed
+from swarm.engines.tensors import check_update, digest_of
+from swarm.errors import LocalProtocolError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+def random_qwen3(
+    *,
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 32,
+    max_positions: int = 256,
+    tie_word_embeddings: bool = True,
+    init_std: float = 0.02,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """A randomly initialised ``Qwen3ForCausalLM`` built from a config (no download).
+
+    The global torch RNG is left as it was.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model: Any = Qwen3ForCausalLM(config)
+    out: PreTrainedModel = model.to(dtype=dtype).eval()
+    return out
+
+
+class TorchEngine:
+    """Generates with a transformers causal LM and applies updates to its parameters in place.
+
+    The engine holds the model it is given; the caller must not train that same object.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self._model: Any = cast(Any, model)
+        self._model.eval()
+        self._tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+        first = next(iter(self._tensors.values()))
+        self._device = first.device
+        config = model.config
+        self._vocab_size = int(config.vocab_size)
+        self._max_positions = int(getattr(config, "max_position_embeddings", 0)) or None
+        # transformers renamed forward's ``past_key_values`` to ``cache`` (5.2x).
+        params = inspect.signature(self._model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._closed = False
+
+    @property
+    def model(self) -> PreTrainedModel:
+        self._check_open()
+        out: PreTrainedModel = self._model
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def tensor_names(self) -> list[str]:
+        self._check_open()
+        return list(self._tensors)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
+        """One completion per prompt; see ``RolloutEngine.generate``.
+
+        :raises LocalProtocolError: an empty prompt, a token outside the vocabulary, or a
+            prompt plus max_tokens longer than the model's context.
+        """
+        self._check_open()
+        for prompt in prompts:
+            self._check_prompt(prompt, sampling)
+        return [
+            self._generate_one(prompt, sampling, request_seed(sampling, i))
+            for i, prompt in enumerate(prompts)
+        ]
+
+    def apply(self, update: Mapping[str, torch.Tensor]) -> None:
+        """Copy each tensor into the parameter or buffer of that name, in place.
+
+        :raises EngineUpdateError: unknown name, wrong shape or dtype (nothing is written).
+        """
+        self._check_open()
+        for name, value in update.items():
+            target = self._tensors.get(name)
+            if target is None:
+                raise EngineUpdateError(f"engine holds no tensor named {name!r}")
+            check_update(name, target.shape, target.dtype, value)
+        with torch.no_grad():
+            for name, value in update.items():
+                self._tensors[name].copy_(value)
+        log.debug("applied %d tensors", len(update))
+
+    def tensor_digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
+        """``swarm.engines.tensor_digest`` per tensor, in state_dict naming.
+
+        :raises EngineUpdateError: an unknown name.
+        """
+        self._check_open()
+        wanted = list(self._tensors) if names is None else list(names)
+        out: dict[str, bytes] = {}
+        for name in wanted:
+            target = self._tensors.get(name)
+            if target is None:
+                raise EngineUpdateError(f"engine holds no tensor named {name!r}")
+            out[name] = digest_of(target)
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+        self._tensors = {}
+
+    def __enter__(self) -> TorchEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LocalProtocolError("engine is closed")
+
+    def _check_prompt(self, prompt: Sequence[int], sampling: Sampling) -> None:
+        if len(prompt) == 0:
+            raise LocalProtocolError("empty prompt")
+        if any(type(t) is not int or not 0 <= t < self._vocab_size for t in prompt):
+            raise LocalProtocolError(f"prompt token outside the vocabulary of {self._vocab_size}")
+        if self._max_positions is not None and len(prompt) + sampling.max_tokens > (
+            self._max_positions
+        ):
+            raise LocalProtocolError(
+                f"prompt of {len(prompt)} tokens plus max_tokens={sampling.max_tokens} "
+                f"exceeds the context of {self._max_positions}"
+            )
+
+    def _generate_one(
+        self, prompt: Sequence[int], sampling: Sampling, seed: int | None
+    ) -> Completion:
+        generator: torch.Generator | None = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self._device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed)
+        stop = frozenset(sampling.stop_token_ids)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish: Literal["stop", "length"] = "length"
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self._device)
+        from transformers import DynamicCache
+
+        cache = {self._cache_kwarg: DynamicCache(config=self._model.config)}
+        with torch.inference_mode():
+            for _ in range(sampling.max_tokens):
+                out = self._model(input_ids=ids, use_cache=True, **cache)
+                logits = out.logits[0, -1].float()
+                token = _pick(logits, sampling, generator)
+                tokens.append(token)
+                logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+                if token in stop:
+                    finish = "stop"
+                    break
+                ids = torch.tensor([[token]], dtype=torch.long, device=self._device)
+        return Completion(tuple(tokens), tuple(logprobs), finish)
+
+
+def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token: argmax when greedy, else a seeded draw after temperature/top-k/top-p."""
+    if sampling.greedy or generator is None:
+        return int(torch.argmax(logits))
+    scaled = logits / sampling.temperature
+    if 0 < sampling.top_k < scaled.numel():
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
