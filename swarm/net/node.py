@@ -1,0 +1,895 @@
+"""A swarm node on libp2p: control plane (gossipsub) plus the direct data plane.
+
+:class:`Libp2pNode` is a :class:`~swarm.net.transport.Transport` and a
+:class:`~swarm.net.transport.Gossip`. It runs a py-libp2p host (TCP + Noise + Yamux,
+identify, ping, gossipsub with strict signing) inside the asyncio program through the
+trio guest run of :mod:`swarm.net.bridge`. Its libp2p key is the node's
+:class:`~swarm.identity.Identity`, so its peer id is the identity's peer id.
+
+Connecting to ``/ip4/A/tcp/P/p2p/<id>``: dial libp2p (Noise proves the id; a mismatch
+raises :class:`~swarm.net.transport.PeerIdMismatch`), ask the peer for its signed
+metadata on ``/swarm/meta/1.0.0`` (which names its data-plane ``host:port``), and open a
+direct data-plane connection there (which proves the same key again). When the peer has
+no data plane, or its port does not answer, messages travel on a libp2p stream of
+``/swarm/msg/1.0.0`` instead (length-prefixed frames inside Noise); callers do not see
+the difference except in :attr:`~swarm.net.transport.PeerEvent.path`.
+
+Bad input on the libp2p streams is handled as on the data plane: an oversized frame, a
+peer stalling mid-frame, or more than ``max_streams_per_peer`` concurrent streams from
+one peer resets the stream, scores the peer down and, when it keeps on, disconnects it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self, cast
+
+import trio
+
+from swarm.errors import DecodeError, LocalProtocolError, SignatureError
+from swarm.identity import Identity
+from swarm.net import topics
+from swarm.net.addresses import parse_tcp_multiaddr
+from swarm.net.bridge import BridgeClosed, ServiceHandle, TrioGuest, trio_guest
+from swarm.net.dataplane import DataPlane, DataPlaneConfig
+from swarm.net.logs import route_libp2p_logging
+from swarm.net.queues import EventQueue, Inbox
+from swarm.net.scoring import PeerScores, ScoreConfig
+from swarm.net.transport import (
+    GossipMessage,
+    Message,
+    MessageTooLarge,
+    Path,
+    PeerEvent,
+    PeerIdMismatch,
+    PeerUnreachable,
+    TransportClosed,
+    Validator,
+)
+from swarm.wire.frames import FrameReader, encode_header
+
+if TYPE_CHECKING:
+    from libp2p.abc import IHost, INetConn, INetStream, INotifee
+    from libp2p.pubsub.pubsub import Pubsub
+
+logger = logging.getLogger(__name__)
+
+MSG_PROTOCOL = "/swarm/msg/1.0.0"
+META_PROTOCOL = "/swarm/meta/1.0.0"
+MAX_META_BYTES = 4096
+#: Peers remembered from the peers topic (metadata of newcomers beyond it is ignored).
+MAX_DIRECTORY = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class GossipConfig:
+    """gossipsub settings (py-libp2p's defaults drop bursts: 10 msg/s/topic/peer)."""
+
+    #: Mesh degree and its bounds.
+    degree: int = 6
+    degree_low: int = 4
+    degree_high: int = 12
+    #: Seconds between gossipsub heartbeats (mesh maintenance, gossip emission).
+    heartbeat_interval: int = 1
+    #: Messages per second per topic per peer before spam protection drops them.
+    max_messages_per_topic_per_second: float = 1000.0
+    #: The largest gossip payload published or accepted.
+    max_message_bytes: int = topics.MAX_GOSSIP_BYTES
+    #: RPCs queued per peer for sending; py-libp2p's default of 32 silently drops bursts.
+    outbound_queue_depth: int = 4096
+    #: Validated messages queued per subscription; beyond it the newest are dropped.
+    queue_depth: int = 1024
+    #: Seconds a message id is remembered (duplicates dropped).
+    seen_ttl: int = 120
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Settings of a :class:`Libp2pNode`."""
+
+    #: libp2p listen multiaddr (port 0: any free port).
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    #: Full multiaddrs (with ``/p2p/<id>``) dialed on start; start fails if none answers.
+    bootstrap: tuple[str, ...] = ()
+    #: The direct data plane; ``None`` carries every message on libp2p streams.
+    data_plane: DataPlaneConfig | None = field(default_factory=DataPlaneConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    #: Run name: when set, the node publishes its metadata on the run's peers topic and
+    #: keeps a directory of the others (:meth:`Libp2pNode.directory`).
+    run: str | None = None
+    #: Data-plane ``host:port`` to advertise instead of the listening address (a port
+    #: forward or NAT mapping); empty: advertise what the data plane listens on.
+    data_plane_advertise: str = ""
+    #: Free-form region label published in the metadata.
+    region: str = ""
+    #: Seconds between metadata publications (when ``run`` is set).
+    metadata_interval: float = 5.0
+    #: The largest message on the libp2p fallback path (the data plane has its own).
+    max_message_bytes: int = (16 << 20) + (64 << 10)
+    #: Concurrent inbound message streams one peer may hold open.
+    max_streams_per_peer: int = 8
+    #: Seconds a peer may stall in the middle of a frame on a libp2p stream.
+    stall_timeout: float = 10.0
+    #: Seconds for a libp2p dial (and, separately, the metadata exchange).
+    connect_timeout: float = 10.0
+    #: Inbound messages queued before readers pause.
+    inbox_depth: int = 256
+    #: Peer events queued (the oldest dropped beyond).
+    event_depth: int = 1024
+    scores: ScoreConfig = field(default_factory=ScoreConfig)
+
+
+class _DeepQueues(dict[Any, Any]):
+    """``Pubsub.peer_queues`` that deepens each per-peer outbound queue as it is added
+    (py-libp2p 0.8.1 has no setting for it: ``RpcQueue()`` holds 32 RPCs, then drops)."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.depth = depth
+
+    def __setitem__(self, key: Any, queue: Any) -> None:
+        inner = getattr(queue, "_queue", None)
+        if inner is not None and hasattr(inner, "max_size"):
+            inner.max_size = self.depth
+        else:
+            logger.warning("py-libp2p RpcQueue changed shape; outbound queue stays shallow")
+        super().__setitem__(key, queue)
+
+
+def _peer_str(peer: Any) -> str:
+    return str(peer.to_base58())
+
+
+class _Libp2pSubscription:
+    """One gossip topic's validated messages; stops its pump on exit."""
+
+    def __init__(self, node: Libp2pNode, topic: str, validator: Validator | None) -> None:
+        self.node = node
+        self._topic = topic
+        self.validator = validator
+        self.queue: asyncio.Queue[GossipMessage] = asyncio.Queue(node.config.gossip.queue_depth)
+        self.dropped = 0
+        self.rejected = 0
+        self.handle: ServiceHandle | None = None
+        self.closed = False
+        self._closed_event = asyncio.Event()
+
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    def _validate(self, forwarder: Any, msg: Any) -> bool:
+        if len(msg.data) > self.node.config.gossip.max_message_bytes:
+            self.rejected += 1
+            return False
+        if self.validator is None:
+            return True
+        try:
+            source = _peer_str(_id_from_bytes(msg.from_id))
+            ok = bool(self.validator(source, bytes(msg.data)))
+        except Exception:  # a validator that raises rejects the message
+            logger.exception("gossip validator for %s raised", self._topic)
+            ok = False
+        if not ok:
+            self.rejected += 1
+        return ok
+
+    async def _pump(self, ready: Any) -> None:
+        pubsub = self.node._pubsub
+        assert pubsub is not None
+        pubsub.set_topic_validator(self._topic, self._validate, False)
+        sub = await pubsub.subscribe(self._topic)
+        try:
+            ready()
+            me = self.node.peer_id
+            while True:
+                m = await sub.get()
+                source = _peer_str(_id_from_bytes(m.from_id))
+                if source == me:
+                    continue
+                try:
+                    self.queue.put_nowait(GossipMessage(self._topic, source, bytes(m.data)))
+                except asyncio.QueueFull:
+                    self.dropped += 1
+                    logger.warning("gossip queue for %s full (%d); dropped a message",
+                                   self._topic, self.queue.maxsize)
+        finally:
+            with trio.move_on_after(2) as scope, contextlib.suppress(Exception):
+                scope.shield = True
+                await pubsub.unsubscribe(self._topic)
+            pubsub.remove_topic_validator(self._topic)
+
+    async def get(self) -> GossipMessage:
+        if self.closed and self.queue.empty():
+            raise TransportClosed("subscription closed")
+        getter = asyncio.ensure_future(self.queue.get())
+        closer = asyncio.ensure_future(self._closed_event.wait())
+        try:
+            await asyncio.wait({getter, closer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closer.cancel()
+            if not getter.done():
+                getter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closer
+        if getter.done() and not getter.cancelled():
+            return getter.result()
+        with contextlib.suppress(asyncio.CancelledError):
+            await getter
+        raise TransportClosed("subscription closed")
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._closed_event.set()
+        self.node._subs.pop(self._topic, None)
+        if self.handle is not None:
+            await self.handle.stop()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+def _id_from_bytes(raw: bytes) -> Any:
+    from libp2p.peer.id import ID
+
+    return ID(raw)
+
+
+def _id_from_str(peer_id: str) -> Any:
+    from libp2p.peer.id import ID
+
+    return ID.from_base58(peer_id)
+
+
+class Libp2pNode:
+    """A node: libp2p host, gossip, and messages over the data plane or libp2p streams.
+
+    Use as ``async with Libp2pNode(identity, NodeConfig(...)) as node``. Leaving the
+    block stops every subscription, closes every connection and the host, and stops the
+    trio guest run when this was its last user.
+    """
+
+    def __init__(self, identity: Identity, config: NodeConfig | None = None) -> None:
+        self.identity = identity
+        self.config = config or NodeConfig()
+        self._peer_id = identity.peer_id
+        self._inbox = Inbox(self.config.inbox_depth)
+        self._events = EventQueue(self.config.event_depth)
+        self._scores = PeerScores(self.config.scores)
+        self._stack = contextlib.AsyncExitStack()
+        self._guest: TrioGuest | None = None
+        self._host: IHost | None = None
+        self._pubsub: Pubsub | None = None
+        self._nursery: trio.Nursery | None = None
+        self.plane: DataPlane | None = None
+        self._paths: dict[str, Path] = {}
+        self._out_streams: dict[str, INetStream] = {}
+        self._out_locks: dict[str, asyncio.Lock] = {}
+        self._in_streams: dict[str, int] = {}
+        self._raw: dict[int, list[trio.SocketStream]] = {}
+        self._subs: dict[str, _Libp2pSubscription] = {}
+        self._directory: dict[str, topics.PeerMetadata] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._meta_bytes = b""
+        self._entered = False
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        if self._entered:
+            raise TransportClosed("a node is entered once")
+        self._entered = True
+        try:
+            self._guest = await self._stack.enter_async_context(trio_guest())
+            route_libp2p_logging()
+            if self.config.data_plane is not None:
+                self.plane = DataPlane(self.identity, self.config.data_plane,
+                                       inbox=self._inbox, on_event=self._on_plane_event,
+                                       scores=self._scores)
+                await self._stack.enter_async_context(self.plane)
+            handle, ready = self._guest.start_service(self._host_main, "libp2p host")
+            self._stack.push_async_callback(handle.stop)
+            async with asyncio.timeout(self.config.connect_timeout):
+                await asyncio.shield(ready)
+            self._stack.push_async_callback(self._stop_tasks)
+            self._meta_bytes = self._signed_metadata(META_PROTOCOL)
+            if self.config.run is not None:
+                await self._join_run(self.config.run)
+            await self._bootstrap()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sub in list(self._subs.values()):
+            await sub.aclose()
+        await self._stack.aclose()
+        self._inbox.close()
+        self._events.close()
+
+    async def _stop_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _host_main(self, ready: Any) -> None:
+        from libp2p import new_host
+        from libp2p.crypto.ed25519 import create_new_key_pair
+        from libp2p.custom_types import TProtocol
+        from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
+        from libp2p.pubsub.pubsub import Pubsub
+        from libp2p.tools.anyio_service.context import background_trio_service
+        from multiaddr import Multiaddr
+
+        g = self.config.gossip
+        host = new_host(key_pair=create_new_key_pair(self.identity.seed))
+        if _peer_str(host.get_id()) != self._peer_id:
+            raise LocalProtocolError("libp2p derived a different peer id from the identity")
+        try:
+            async with host.run([Multiaddr(self.config.listen)]):
+                router = GossipSub(
+                    protocols=[PROTOCOL_ID_V11, PROTOCOL_ID], degree=g.degree,
+                    degree_low=g.degree_low, degree_high=g.degree_high,
+                    heartbeat_interval=g.heartbeat_interval, heartbeat_initial_delay=0.1,
+                    max_messages_per_topic_per_second=g.max_messages_per_topic_per_second,
+                )
+                pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=g.seen_ttl,
+                                max_inbound_rpc_size=g.max_message_bytes + (64 << 10))
+                pubsub.peer_queues = _DeepQueues(g.outbound_queue_depth)
+                async with background_trio_service(pubsub), background_trio_service(router):
+                    await pubsub.wait_until_ready()
+                    host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
+                    host.set_stream_handler(TProtocol(META_PROTOCOL), self._meta_handler)
+                    host.get_network().register_notifee(cast("INotifee", _Notifee(self)))
+                    self._host, self._pubsub = host, pubsub
+                    try:
+                        async with trio.open_nursery() as nursery:
+                            self._nursery = nursery
+                            ready()
+                            await trio.sleep_forever()
+                    finally:
+                        self._nursery = None
+                        with trio.move_on_after(5) as scope:
+                            scope.shield = True
+                            await _close_all_connections(host)
+                            leftovers = [st for streams in self._raw.values() for st in streams]
+                            self._raw.clear()
+                            await _close_socket_streams(leftovers)
+        finally:
+            self._nursery = None
+            self._pubsub = None
+            self._host = None
+            with trio.move_on_after(5) as scope, contextlib.suppress(Exception):
+                scope.shield = True
+                await host.close()
+
+    async def _bootstrap(self) -> None:
+        if not self.config.bootstrap:
+            return
+        errors = []
+        for addr in self.config.bootstrap:
+            try:
+                await self.connect(addr)
+            except (PeerUnreachable, PeerIdMismatch) as exc:
+                logger.warning("bootstrap %s failed: %s", addr, exc)
+                errors.append(f"{addr}: {exc}")
+        if len(errors) == len(self.config.bootstrap):
+            raise PeerUnreachable("no bootstrap node answered: " + "; ".join(errors))
+
+    # -- Transport ---------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def listen_addresses(self) -> tuple[str, ...]:
+        host = self._host
+        if host is None:
+            return ()
+        out = []
+        for a in host.get_addrs():
+            text = str(a)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{self._peer_id}")
+        return tuple(out)
+
+    @property
+    def data_address(self) -> tuple[str, int] | None:
+        """The data plane's (host, port), or None without a data plane."""
+        return self.plane.address if self.plane is not None else None
+
+    @property
+    def max_message_bytes(self) -> int:
+        if self.plane is not None:
+            return min(self.config.max_message_bytes, self.plane.config.max_message_bytes)
+        return self.config.max_message_bytes
+
+    def _check_open(self) -> TrioGuest:
+        if self._closed or self._guest is None or self._host is None:
+            raise TransportClosed("node is closed")
+        return self._guest
+
+    async def connect(self, address: str) -> str:
+        guest = self._check_open()
+        target = parse_tcp_multiaddr(address)
+        peer = target.peer_id
+        if peer is None:
+            raise PeerUnreachable(f"{address!r}: a libp2p address needs /p2p/<peer id>")
+        if peer == self._peer_id:
+            raise PeerUnreachable("cannot connect to self")
+        if peer in self._paths:
+            return peer
+        if self._scores.is_banned(peer):
+            raise PeerUnreachable(f"peer {peer} is banned")
+        try:
+            async with asyncio.timeout(self.config.connect_timeout):
+                await guest.run(self._trio_connect, address)
+        except TimeoutError as exc:
+            raise PeerUnreachable(f"libp2p dial of {address} timed out") from exc
+        except (BridgeClosed, TransportClosed):
+            raise
+        except Exception as exc:
+            if _is_security_failure(exc):
+                raise PeerIdMismatch(
+                    f"the node at {address} did not prove peer id {peer} (Noise handshake "
+                    f"failed: wrong peer id in the address, or not a libp2p node)") from exc
+            raise PeerUnreachable(f"libp2p dial of {address} failed: {exc}") from exc
+        await self._establish(peer)
+        return peer
+
+    async def _trio_connect(self, address: str) -> None:
+        from libp2p.peer.peerinfo import info_from_p2p_addr
+        from multiaddr import Multiaddr
+
+        host = self._host
+        if host is None:
+            raise TransportClosed("node is closed")
+        await host.connect(info_from_p2p_addr(Multiaddr(address)))
+
+    async def _establish(self, peer: str) -> None:
+        """Pick the path to a libp2p-connected peer: data plane if possible, else streams."""
+        guest = self._check_open()
+        if self.plane is not None:
+            meta = None
+            try:
+                async with asyncio.timeout(self.config.connect_timeout):
+                    meta = await guest.run(self._fetch_meta, peer)
+            except (TimeoutError, DecodeError, SignatureError, PeerUnreachable) as exc:
+                logger.info("no metadata from %s (%s); using libp2p streams", peer, exc)
+            except Exception as exc:  # libp2p stream errors
+                logger.info("metadata stream to %s failed (%r); using libp2p streams",
+                            peer, exc)
+            if meta is not None and meta.data_addr:
+                host, _, port = meta.data_addr.rpartition(":")
+                try:
+                    await self.plane.connect(host, int(port), peer)
+                    return
+                except PeerIdMismatch as exc:
+                    self._scores.penalize(peer, f"data-plane address proved another key: {exc}")
+                except (PeerUnreachable, ValueError) as exc:
+                    logger.info("direct path to %s at %s failed (%s); using libp2p streams",
+                                peer, meta.data_addr, exc)
+        if peer in self._paths:  # the peer's data plane dialed us meanwhile
+            return
+        await self._open_out_stream(peer)
+        self._set_path(peer, Path.LIBP2P)
+
+    async def send(self, peer_id: str, payload: bytes) -> None:
+        self._check_open()
+        if len(payload) > self.max_message_bytes:
+            raise MessageTooLarge(
+                f"{len(payload)} bytes is over the bound {self.max_message_bytes}")
+        path = self._paths.get(peer_id)
+        if path is Path.DIRECT and self.plane is not None:
+            await self.plane.send(peer_id, payload)
+        elif path is Path.LIBP2P:
+            await self._send_libp2p(peer_id, payload)
+        else:
+            raise PeerUnreachable(f"not connected to {peer_id}")
+
+    async def recv(self) -> Message:
+        return await self._inbox.get()
+
+    async def next_event(self) -> PeerEvent:
+        return await self._events.get()
+
+    def connected_peers(self) -> frozenset[str]:
+        return frozenset(self._paths)
+
+    def path(self, peer_id: str) -> Path | None:
+        """How messages to ``peer_id`` travel now (None: not connected)."""
+        return self._paths.get(peer_id)
+
+    async def disconnect(self, peer_id: str, reason: str = "") -> None:
+        guest = self._check_open()
+        if self.plane is not None:
+            await self.plane.disconnect(peer_id, reason)
+        with contextlib.suppress(Exception):
+            await guest.run(self._trio_disconnect, peer_id)
+        self._drop_path(peer_id, Path.LIBP2P, reason or "disconnected")
+
+    async def _trio_disconnect(self, peer_id: str) -> None:
+        self._out_streams.pop(peer_id, None)
+        if self._host is not None:
+            await self._host.disconnect(_id_from_str(peer_id))
+
+    def penalize(self, peer_id: str, reason: str, *, disconnect: bool = True) -> None:
+        self._scores.penalize(peer_id, reason)
+        if disconnect:
+            self._hang_up(peer_id, reason)
+
+    def score(self, peer_id: str) -> float:
+        return self._scores.score(peer_id)
+
+    def _hang_up(self, peer_id: str, reason: str) -> None:
+        """Drop every connection to ``peer_id`` (callable from asyncio or trio code)."""
+        if self.plane is not None:
+            self.plane.drop(peer_id, reason)
+        self._drop_path(peer_id, Path.LIBP2P, reason)
+        banned = self._scores.is_banned(peer_id)
+
+        def in_trio() -> None:
+            if self._nursery is not None:
+                self._nursery.start_soon(self._trio_disconnect, peer_id)
+                if banned and self._pubsub is not None:
+                    self._pubsub.add_to_blacklist(_id_from_str(peer_id))
+
+        if self._guest is not None:
+            with contextlib.suppress(BridgeClosed):
+                self._guest._soon(in_trio)
+
+    # -- paths and events ------------------------------------------------------------
+    def _set_path(self, peer: str, path: Path) -> None:
+        if self._closed:
+            return
+        old = self._paths.get(peer)
+        if old is None:
+            self._paths[peer] = path
+            self._events.push(PeerEvent(peer, True, path))
+        elif old is Path.LIBP2P and path is Path.DIRECT:
+            self._paths[peer] = path  # upgraded; already announced as connected
+
+    def _drop_path(self, peer: str, path: Path, reason: str) -> None:
+        if self._paths.get(peer) is path:
+            del self._paths[peer]
+            self._out_streams.pop(peer, None)
+            self._events.push(PeerEvent(peer, False, path, reason))
+
+    def _on_plane_event(self, ev: PeerEvent) -> None:
+        if ev.connected:
+            self._set_path(ev.peer_id, Path.DIRECT)
+        else:
+            self._drop_path(ev.peer_id, Path.DIRECT, ev.reason)
+
+    def _on_libp2p_disconnected(self, peer: str) -> None:
+        host = self._host
+        if host is not None and _id_from_str(peer) in host.get_connected_peers():
+            return
+        self._out_streams.pop(peer, None)
+        self._drop_path(peer, Path.LIBP2P, "libp2p connection closed")
+
+    # -- libp2p message streams ------------------------------------------------------
+    async def _open_out_stream(self, peer: str) -> INetStream:
+        guest = self._check_open()
+        stream = self._out_streams.get(peer)
+        if stream is None:
+            try:
+                stream = await guest.run(self._trio_new_stream, peer, MSG_PROTOCOL)
+            except (BridgeClosed, TransportClosed):
+                raise
+            except Exception as exc:
+                raise PeerUnreachable(f"cannot open a message stream to {peer}: {exc}"
+                                      ) from exc
+            self._out_streams[peer] = stream
+        return stream
+
+    async def _trio_new_stream(self, peer: str, protocol: str) -> INetStream:
+        from libp2p.custom_types import TProtocol
+
+        host = self._host
+        if host is None:
+            raise TransportClosed("node is closed")
+        with trio.fail_after(self.config.connect_timeout):
+            return await host.new_stream(_id_from_str(peer), [TProtocol(protocol)])
+
+    async def _send_libp2p(self, peer: str, payload: bytes) -> None:
+        guest = self._check_open()
+        lock = self._out_locks.setdefault(peer, asyncio.Lock())
+        async with lock:
+            stream = await self._open_out_stream(peer)
+            try:
+                await guest.run(stream.write, encode_header(len(payload)) + payload)
+            except (BridgeClosed, TransportClosed):
+                raise
+            except Exception as exc:
+                self._out_streams.pop(peer, None)
+                raise PeerUnreachable(f"message stream to {peer} failed: {exc}") from exc
+
+    async def _msg_handler(self, stream: INetStream) -> None:
+        peer = _peer_str(stream.muxed_conn.peer_id)
+        count = self._in_streams.get(peer, 0)
+        if self._scores.is_banned(peer) or count >= self.config.max_streams_per_peer:
+            reason = "banned" if self._scores.is_banned(peer) else "too many streams"
+            self._scores.penalize(peer, reason, weight=0.2)
+            with contextlib.suppress(Exception):
+                await stream.reset()
+            if self._scores.is_banned(peer):
+                self._hang_up(peer, reason)
+            return
+        self._in_streams[peer] = count + 1
+        try:
+            if self.plane is None or not self.plane.has_peer(peer):
+                self._set_path(peer, Path.LIBP2P)
+            await self._read_frames(peer, stream)
+        finally:
+            left = self._in_streams.get(peer, 1) - 1
+            if left > 0:
+                self._in_streams[peer] = left
+            else:
+                self._in_streams.pop(peer, None)
+            with contextlib.suppress(Exception):
+                await stream.close()
+
+    async def _read_frames(self, peer: str, stream: INetStream) -> None:
+        reader = FrameReader(self.config.max_message_bytes)
+        token = trio.lowlevel.current_trio_token()
+        while True:
+            timeout = self.config.stall_timeout if reader.mid_frame else float("inf")
+            try:
+                with trio.fail_after(timeout):
+                    data = await stream.read(1 << 20)
+            except trio.TooSlowError:
+                self._violation(peer, "stalled mid-frame on a message stream")
+                return
+            except Exception as exc:  # libp2p: EOF, reset, connection closed
+                logger.debug("message stream from %s ended: %r", peer, exc)
+                return
+            if not data:
+                return
+            try:
+                reader.feed(data)
+            except DecodeError as exc:
+                self._violation(peer, f"protocol violation: {exc}")
+                return
+            while (frame := reader.next_frame()) is not None:
+                if not self._inbox.offer(Message(peer, bytes(frame))):
+                    space = trio.Event()
+                    self._inbox.when_space(functools.partial(token.run_sync_soon, space.set))
+                    await space.wait()
+
+    def _violation(self, peer: str, reason: str) -> None:
+        logger.info("peer %s: %s", peer, reason)
+        self._scores.penalize(peer, reason)
+        self._hang_up(peer, reason)
+
+    # -- metadata --------------------------------------------------------------------
+    def _metadata(self) -> topics.PeerMetadata:
+        data = self.config.data_plane_advertise
+        if not data and self.plane is not None and self.plane.address is not None:
+            data = f"{self.plane.address[0]}:{self.plane.address[1]}"
+        return topics.PeerMetadata(self.listen_addresses, data, self.config.region, 0,
+                                   int(time.time() * 1000))
+
+    def _signed_metadata(self, topic: str) -> bytes:
+        return topics.SignedEnvelope.seal(self.identity, topic, self._metadata().encode()
+                                          ).encode()
+
+    async def _meta_handler(self, stream: INetStream) -> None:
+        with contextlib.suppress(Exception):
+            await stream.write(self._meta_bytes)
+        with contextlib.suppress(Exception):
+            await stream.close()
+
+    async def _fetch_meta(self, peer: str) -> topics.PeerMetadata:
+        stream = await self._trio_new_stream(peer, META_PROTOCOL)
+        buf = bytearray()
+        try:
+            with trio.fail_after(self.config.connect_timeout):
+                while len(buf) <= MAX_META_BYTES:
+                    try:
+                        chunk = await stream.read(MAX_META_BYTES + 1 - len(buf))
+                    except Exception:  # EOF
+                        break
+                    if not chunk:
+                        break
+                    buf += chunk
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.close()
+        env = topics.SignedEnvelope.open(META_PROTOCOL, bytes(buf), max_bytes=MAX_META_BYTES)
+        if env.signer_peer_id != peer:
+            raise SignatureError(f"metadata of {peer} signed by {env.signer_peer_id}")
+        return topics.PeerMetadata.decode(env.body)
+
+    def directory(self) -> dict[str, topics.PeerMetadata]:
+        """Peers learned from the run's peers topic (latest metadata of each)."""
+        return dict(self._directory)
+
+    async def _join_run(self, run: str) -> None:
+        topic = topics.peers(run)
+        sub = await self.subscribe(topic, topics.peer_metadata_validator(topic))
+        self._spawn(self._collect_metadata(sub), "peer metadata collector")
+        self._spawn(self._publish_metadata(topic), "peer metadata publisher")
+
+    async def _collect_metadata(self, sub: _Libp2pSubscription) -> None:
+        while True:
+            try:
+                msg = await sub.get()
+            except TransportClosed:
+                return
+            env = topics.SignedEnvelope.open(sub.topic, msg.data)
+            meta = topics.PeerMetadata.decode(env.body)
+            old = self._directory.get(msg.source)
+            fresh = old is None or old.time_ms <= meta.time_ms
+            if fresh and (old is not None or len(self._directory) < MAX_DIRECTORY):
+                self._directory[msg.source] = meta
+
+    async def _publish_metadata(self, topic: str) -> None:
+        while True:
+            try:
+                await self.publish(topic, self._signed_metadata(topic))
+            except (TransportClosed, BridgeClosed):
+                return
+            except Exception as exc:
+                logger.info("publishing metadata failed: %r", exc)
+            await asyncio.sleep(self.config.metadata_interval)
+
+    # -- Gossip ------------------------------------------------------------------------
+    async def publish(self, topic: str, data: bytes) -> None:
+        guest = self._check_open()
+        if len(data) > self.config.gossip.max_message_bytes:
+            raise MessageTooLarge(f"{len(data)} bytes is over the gossip bound "
+                                  f"{self.config.gossip.max_message_bytes}")
+        pubsub = self._pubsub
+        assert pubsub is not None
+        await guest.run(pubsub.publish, topic, bytes(data))
+
+    async def subscribe(self, topic: str, validator: Validator | None = None
+                        ) -> _Libp2pSubscription:
+        guest = self._check_open()
+        if topic in self._subs:
+            raise LocalProtocolError(f"already subscribed to {topic}")
+        sub = _Libp2pSubscription(self, topic, validator)
+        self._subs[topic] = sub
+        handle, ready = guest.start_service(sub._pump, f"gossip {topic}")
+        sub.handle = handle
+        try:
+            await asyncio.shield(ready)
+        except BaseException:
+            await sub.aclose()
+            raise
+        return sub
+
+    async def wait_for_mesh(self, topic: str, peers: int, timeout: float = 10.0) -> None:
+        """Wait until ``peers`` peers are known subscribed to ``topic`` (tests, start-up).
+
+        :raises TimeoutError: not within ``timeout`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            pubsub = self._pubsub
+            have = len(pubsub.peer_topics.get(topic, ())) if pubsub is not None else 0
+            if have >= peers:
+                return
+            if loop.time() > deadline:
+                raise TimeoutError(f"{topic}: {have} of {peers} peers after {timeout} s")
+            await asyncio.sleep(0.05)
+
+
+async def _close_all_connections(host: IHost) -> None:
+    """Close every libp2p connection."""
+    for peer in list(host.get_connected_peers()):
+        with contextlib.suppress(Exception):
+            await host.disconnect(peer)
+
+
+_SOCKET_PATH = ("muxed_conn", "secured_conn", "conn", "stream", "read_write_closer",
+                "raw_conn", "_stream")
+
+
+def _socket_streams(conn: Any) -> list[trio.SocketStream]:
+    """The trio socket streams under a libp2p connection (muxer -> Noise -> raw TCP)."""
+    found: list[trio.SocketStream] = []
+    todo: list[tuple[Any, int]] = [(conn, 0)]
+    seen: set[int] = set()
+    while todo:
+        obj, depth = todo.pop()
+        if id(obj) in seen or depth > 8:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, trio.SocketStream):
+            found.append(obj)
+            continue
+        for name in _SOCKET_PATH:
+            child = getattr(obj, name, None)
+            if child is not None:
+                todo.append((child, depth + 1))
+    return found
+
+
+async def _close_socket_streams(streams: list[trio.SocketStream]) -> None:
+    """py-libp2p 0.8.1 drops dialed TCP sockets without closing them (they linger in
+    CLOSE_WAIT until garbage collection, with a ResourceWarning): close them here."""
+    for st in streams:
+        if st.socket.fileno() >= 0:
+            with contextlib.suppress(Exception):
+                await st.aclose()
+
+
+def _is_security_failure(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        text = f"{type(e).__name__} {e}".lower()
+        if "security" in text or "handshake" in text or "peer id" in text:
+            return True
+        for nxt in (e.__cause__, e.__context__):
+            if nxt is not None:
+                todo.append(nxt)
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        errs = getattr(e, "errors", None)
+        if isinstance(errs, list):
+            todo.extend(x for x in errs if isinstance(x, BaseException))
+    return False
+
+
+class _Notifee:
+    """libp2p network notifications: gate banned peers, track lost connections."""
+
+    def __init__(self, node: Libp2pNode) -> None:
+        self.node = node
+
+    async def opened_stream(self, network: Any, stream: Any) -> None:
+        return None
+
+    async def closed_stream(self, network: Any, stream: Any) -> None:
+        return None
+
+    async def connected(self, network: Any, conn: INetConn) -> None:
+        self.node._raw[id(conn)] = _socket_streams(conn)
+        peer = _peer_str(conn.muxed_conn.peer_id)
+        if self.node._scores.is_banned(peer):
+            logger.info("refusing banned peer %s", peer)
+            self.node._hang_up(peer, "banned")
+
+    async def disconnected(self, network: Any, conn: INetConn) -> None:
+        await _close_socket_streams(self.node._raw.pop(id(conn), []))
+        self.node._on_libp2p_disconnected(_peer_str(conn.muxed_conn.peer_id))
+
+    async def listen(self, network: Any, multiaddr: Any) -> None:
+        return None
+
+    async def listen_close(self, network: Any, multiaddr: Any) -> None:
+        return None

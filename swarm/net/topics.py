@@ -1,0 +1,211 @@
+"""Gossip topics of a run, their signed payloads and validators, and their limits.
+
+Topic names (``<run>`` is the run name the trainer announces; at most 64 characters of
+``[A-Za-z0-9._-]``):
+
+==================================  ==========================================  =========
+topic                               payload                                     signer
+==================================  ==========================================  =========
+``/swarm/<run>/manifests/1``        ``SignedManifest.encode()``                 trainer
+``/swarm/<run>/have/1``             :class:`SignedEnvelope` (have summary)      publisher
+``/swarm/<run>/peers/1``            :class:`SignedEnvelope` of PeerMetadata     publisher
+``/swarm/<run>/leases/1``           :class:`SignedEnvelope` (grant or result)   publisher
+==================================  ==========================================  =========
+
+Every topic runs gossipsub with strict signing (libp2p signs each message with the
+publisher's key, which is also its swarm identity), and a validator that runs before a
+message is delivered or forwarded, so a message failing it never propagates:
+
+- manifests: ``SignedManifest.decode(data, trusted_signer=<trainer key named at start>)``
+  must succeed; any other signer, a bad signature, or malformed bytes are dropped;
+- have / peers / leases: the envelope's signature must verify *and* its signer must be
+  the libp2p source of the message (no relaying someone else's claims under your name);
+  lease grants are additionally checked against the trainer key by the lease layer.
+
+Limits (defaults of :class:`swarm.net.node.GossipConfig`; measured figures in the
+README): messages up to 1 MiB (manifests of ~16k chunks); 1000 messages per second per
+topic per peer before gossipsub's spam protection drops; subscription queues of 1024
+messages (beyond that the newest are dropped and logged at WARNING); mesh degree 6
+(4..12), heartbeat 1 s. libp2p's own 32-deep subscription channel is drained by a
+dedicated task into that queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarm.content.manifest import SignedManifest
+from swarm.errors import DecodeError, RemoteProtocolError, SignatureError
+from swarm.identity import (
+    PUBLIC_KEY_LEN,
+    SIGNATURE_LEN,
+    Identity,
+    peer_id_from_public_key,
+)
+from swarm.identity import verify as verify_signature
+from swarm.wire import strict
+
+logger = logging.getLogger(__name__)
+
+MAX_GOSSIP_BYTES = 1 << 20
+MAX_RUN_NAME = 64
+_RUN_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_ENVELOPE_DOMAIN = b"swarm/gossip/v1\0"
+_META_KEYS = frozenset({"v", "addrs", "data", "region", "bw", "time"})
+MAX_ADDRS = 8
+MAX_ADDR_LEN = 200
+
+
+def _check_run(run: str) -> str:
+    if not _RUN_RE.match(run):
+        raise ValueError(f"run name {run!r} must be 1-64 characters of [A-Za-z0-9._-]")
+    return run
+
+
+def manifests(run: str) -> str:
+    return f"/swarm/{_check_run(run)}/manifests/1"
+
+
+def have(run: str) -> str:
+    return f"/swarm/{_check_run(run)}/have/1"
+
+
+def peers(run: str) -> str:
+    return f"/swarm/{_check_run(run)}/peers/1"
+
+
+def leases(run: str) -> str:
+    return f"/swarm/{_check_run(run)}/leases/1"
+
+
+@dataclass(frozen=True, slots=True)
+class SignedEnvelope:
+    """``msgpack([body, signer, signature])``; the signature is Ed25519 over
+    ``"swarm/gossip/v1\\0" + topic + "\\0" + body`` so a message cannot be replayed on
+    another topic."""
+
+    topic: str
+    body: bytes
+    signer: bytes
+    signature: bytes
+
+    @property
+    def signer_peer_id(self) -> str:
+        return peer_id_from_public_key(self.signer)
+
+    @classmethod
+    def seal(cls, identity: Identity, topic: str, body: bytes) -> SignedEnvelope:
+        sig = identity.sign(_ENVELOPE_DOMAIN + topic.encode() + b"\0" + body)
+        return cls(topic, body, identity.public_key, sig)
+
+    def encode(self) -> bytes:
+        return strict.pack([self.body, self.signer, self.signature])
+
+    @classmethod
+    def open(cls, topic: str, data: bytes, *, max_bytes: int = MAX_GOSSIP_BYTES
+             ) -> SignedEnvelope:
+        """Decode and verify.
+
+        :raises DecodeError: malformed or oversized.
+        :raises SignatureError: the signature does not verify.
+        """
+        obj = strict.unpack(data, max_bytes=max_bytes, max_bin=max_bytes, max_array=3,
+                            max_map=0, max_str=0)
+        if type(obj) is not list or len(obj) != 3 or not all(type(x) is bytes for x in obj):
+            raise DecodeError("envelope: expected [body, signer, signature] as bytes")
+        body, signer, sig = obj
+        if len(signer) != PUBLIC_KEY_LEN or len(sig) != SIGNATURE_LEN:
+            raise DecodeError("envelope: bad signer or signature length")
+        verify_signature(signer, sig, _ENVELOPE_DOMAIN + topic.encode() + b"\0" + body)
+        return cls(topic, body, signer, sig)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMetadata:
+    """What a node says about itself on the peers topic (inside a signed envelope).
+
+    ``addrs`` are its libp2p multiaddrs; ``data_addr`` its data-plane ``host:port``
+    (empty when it has none); ``region`` a free label; ``bandwidth`` its measured
+    uplink in bytes per second (0 when unknown); ``time_ms`` when it was made.
+    """
+
+    addrs: tuple[str, ...]
+    data_addr: str = ""
+    region: str = ""
+    bandwidth: int = 0
+    time_ms: int = 0
+
+    def encode(self) -> bytes:
+        return strict.pack({"v": 1, "addrs": list(self.addrs), "data": self.data_addr,
+                            "region": self.region, "bw": self.bandwidth,
+                            "time": self.time_ms})
+
+    @classmethod
+    def decode(cls, body: bytes) -> PeerMetadata:
+        """:raises DecodeError: malformed, wrong types, over bounds."""
+        m = strict.as_map(strict.unpack(body, max_bytes=4096, max_str=MAX_ADDR_LEN,
+                                        max_array=MAX_ADDRS, max_map=8), _META_KEYS,
+                          "peer metadata")
+        strict.get_int(m, "v", 1, 1)
+        addrs = strict.get_list(m, "addrs", MAX_ADDRS)
+        if not all(type(a) is str and len(a) <= MAX_ADDR_LEN for a in addrs):
+            raise DecodeError("peer metadata: addrs are strings")
+        return cls(tuple(addrs), strict.get_str(m, "data", MAX_ADDR_LEN),
+                   strict.get_str(m, "region", 64), strict.get_int(m, "bw", 0, 1 << 62),
+                   strict.get_int(m, "time", 0, 1 << 62))
+
+
+def manifest_validator(trusted_signer: bytes) -> Callable[[str, bytes], bool]:
+    """Accept only manifests signed by ``trusted_signer`` (the trainer's public key)."""
+
+    def validate(source: str, data: bytes) -> bool:
+        try:
+            SignedManifest.decode(data, trusted_signer=trusted_signer)
+        except RemoteProtocolError as exc:
+            logger.info("dropped manifest gossip from %s: %s", source, exc)
+            return False
+        return True
+
+    return validate
+
+
+def envelope_validator(topic: str, *, allowed_signers: frozenset[bytes] | None = None
+                       ) -> Callable[[str, bytes], bool]:
+    """Accept envelopes signed by their libp2p source (and in ``allowed_signers``)."""
+
+    def validate(source: str, data: bytes) -> bool:
+        try:
+            env = SignedEnvelope.open(topic, data)
+        except (DecodeError, SignatureError) as exc:
+            logger.info("dropped gossip on %s from %s: %s", topic, source, exc)
+            return False
+        if env.signer_peer_id != source:
+            logger.info("dropped gossip on %s: signed by %s but published by %s", topic,
+                        env.signer_peer_id, source)
+            return False
+        if allowed_signers is not None and env.signer not in allowed_signers:
+            logger.info("dropped gossip on %s from unexpected signer %s", topic, source)
+            return False
+        return True
+
+    return validate
+
+
+def peer_metadata_validator(topic: str) -> Callable[[str, bytes], bool]:
+    """Envelope check plus a strict decode of the metadata body."""
+    base = envelope_validator(topic)
+
+    def validate(source: str, data: bytes) -> bool:
+        if not base(source, data):
+            return False
+        try:
+            PeerMetadata.decode(SignedEnvelope.open(topic, data).body)
+        except DecodeError as exc:
+            logger.info("dropped peer metadata from %s: %s", source, exc)
+            return False
+        return True
+
+    return validate

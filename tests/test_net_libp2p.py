@@ -1,0 +1,184 @@
+"""Real py-libp2p nodes on loopback, hosted in asyncio through the trio guest run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+
+import blake3
+import pytest
+
+from swarm.content.manifest import Manifest
+from swarm.identity import Identity
+from swarm.net import topics
+from swarm.net.node import Libp2pNode, NodeConfig
+from swarm.net.transport import Path, PeerIdMismatch, Transport
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def ident(i: int) -> Identity:
+    return Identity.from_seed(bytes([i]) * 32)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def manifest(step: int, signer: Identity, run: str = "r1") -> bytes:
+    chunks = tuple((blake3.blake3(bytes([i])).digest(), 1000 + i) for i in range(4))
+    m = Manifest(run=run, step=step, kind="keyframe", base_root=None,
+                 target_root=bytes(32), layout_digest=bytes(32), codec="raw",
+                 piece_size=4 << 20, chunks=chunks)
+    return m.sign(signer).encode()
+
+
+async def transfer_and_verify(src: Transport, dst: Transport, seed: int) -> None:
+    rng = random.Random(seed)
+    chunks = [rng.randbytes(rng.choice([100, 300_000, 4 << 20])) for _ in range(6)]
+
+    async def pump() -> None:
+        for c in chunks:
+            await src.send(dst.peer_id, c)
+
+    sender = asyncio.create_task(pump())
+    got = [await asyncio.wait_for(dst.recv(), 30) for _ in chunks]
+    await sender
+    assert [m.peer_id for m in got] == [src.peer_id] * len(chunks)
+    assert [blake3.blake3(m.payload).digest() for m in got] == \
+        [blake3.blake3(c).digest() for c in chunks]
+
+
+async def two_node_session() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(Libp2pNode(ident(1)))
+        b = await stack.enter_async_context(
+            Libp2pNode(ident(2), NodeConfig(bootstrap=a.listen_addresses)))
+        assert b.path(a.peer_id) is Path.DIRECT
+        await transfer_and_verify(b, a, 1)
+        await transfer_and_verify(a, b, 2)
+
+
+async def test_two_nodes_direct_transfer_and_no_leaked_descriptors() -> None:
+    await two_node_session()  # warm up: imports, lazily created process-wide state
+    before = open_fds()
+    await two_node_session()
+    assert open_fds() == before
+
+
+async def test_node_prints_full_multiaddr_and_peer_id_is_the_identity() -> None:
+    async with Libp2pNode(ident(1), NodeConfig(data_plane=None)) as a:
+        (addr,) = a.listen_addresses
+        assert addr.startswith("/ip4/127.0.0.1/tcp/")
+        assert addr.endswith(f"/p2p/{ident(1).peer_id}")
+        assert isinstance(a, Transport)
+
+
+async def test_dialing_an_address_with_the_wrong_peer_id_fails_clearly() -> None:
+    async with Libp2pNode(ident(1)) as a, Libp2pNode(ident(2)) as b:
+        wrong = a.listen_addresses[0].rsplit("/p2p/", 1)[0] + f"/p2p/{ident(9).peer_id}"
+        with pytest.raises(PeerIdMismatch, match=ident(9).peer_id):
+            await b.connect(wrong)
+        assert b.connected_peers() == frozenset()
+        assert await b.connect(a.listen_addresses[0]) == a.peer_id
+
+
+async def test_fallback_to_libp2p_streams_when_the_direct_port_is_closed() -> None:
+    dead = f"127.0.0.1:{closed_port()}"
+    async with (
+        Libp2pNode(ident(1), NodeConfig(data_plane_advertise=dead)) as a,
+        Libp2pNode(ident(2), NodeConfig(bootstrap=())) as b,
+    ):
+        assert await b.connect(a.listen_addresses[0]) == a.peer_id
+        assert b.path(a.peer_id) is Path.LIBP2P
+        ev = await asyncio.wait_for(a.next_event(), 10)
+        assert (ev.peer_id, ev.path) == (b.peer_id, Path.LIBP2P)
+        await transfer_and_verify(b, a, 3)
+        await transfer_and_verify(a, b, 4)
+
+
+async def test_libp2p_only_nodes_exchange_messages() -> None:
+    cfg = NodeConfig(data_plane=None)
+    async with Libp2pNode(ident(1), cfg) as a:
+        async with Libp2pNode(ident(2), NodeConfig(data_plane=None,
+                                                   bootstrap=a.listen_addresses)) as b:
+            assert b.path(a.peer_id) is Path.LIBP2P
+            await transfer_and_verify(b, a, 5)
+        ev = await asyncio.wait_for(a.next_event(), 10)
+        assert ev.connected
+        ev = await asyncio.wait_for(a.next_event(), 10)
+        assert not ev.connected and ev.peer_id == ident(2).peer_id
+
+
+async def test_five_nodes_join_gossip_reject_forgeries_and_transfer() -> None:
+    run = "r1"
+    trainer = ident(11)
+    cfg = NodeConfig(run=run, metadata_interval=0.5)
+    async with contextlib.AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(Libp2pNode(ident(10), cfg))
+        join = NodeConfig(run=run, metadata_interval=0.5, bootstrap=boot.listen_addresses)
+        others = [await stack.enter_async_context(Libp2pNode(ident(11 + i), join))
+                  for i in range(4)]
+        nodes = [boot, *others]
+        assert all(boot.peer_id in n.connected_peers() for n in others)
+
+        topic = topics.manifests(run)
+        subs = [await stack.enter_async_context(
+            await n.subscribe(topic, topics.manifest_validator(trainer.public_key)))
+            for n in nodes]
+        for n in nodes:
+            await n.wait_for_mesh(topic, 1 if n is not boot else 4)
+
+        forger = others[2]
+        good = manifest(1, trainer)
+        forged = manifest(1, ident(13))  # a validly signed manifest by the wrong key
+        tampered = bytearray(good)
+        tampered[-1] ^= 1  # the trainer's manifest with a broken signature
+        await forger.publish(topic, forged)
+        await forger.publish(topic, bytes(tampered))
+        await others[0].publish(topic, good)  # others[0] is the trainer's node
+        for n, sub in zip(nodes, subs, strict=True):
+            if n is others[0]:
+                continue
+            msg = await asyncio.wait_for(sub.get(), 15)
+            assert msg.data == good and msg.source == trainer.peer_id
+        await asyncio.sleep(0.5)
+        assert all(sub.queue.empty() for sub in subs)  # the forgeries never arrived
+
+        # Peers that only know the bootstrap node find each other via peer metadata.
+        a, b = others[1], others[3]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while b.peer_id not in a.directory():
+            assert loop.time() < deadline, "peer metadata did not propagate"
+            await asyncio.sleep(0.1)
+        addr = a.directory()[b.peer_id].addrs[0]
+        assert await a.connect(addr) == b.peer_id
+        assert a.path(b.peer_id) is Path.DIRECT
+        await transfer_and_verify(a, b, 6)
+
+
+async def test_gossip_burst_is_delivered_whole() -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        a = await stack.enter_async_context(Libp2pNode(ident(1), NodeConfig(data_plane=None)))
+        b = await stack.enter_async_context(Libp2pNode(
+            ident(2), NodeConfig(data_plane=None, bootstrap=a.listen_addresses)))
+        topic = topics.have("burst")
+        sub = await stack.enter_async_context(await b.subscribe(topic))
+        await a.wait_for_mesh(topic, 1)
+        n = 300  # py-libp2p's defaults deliver about 200 of these (32-deep queues)
+        for i in range(n):
+            await a.publish(topic, i.to_bytes(4, "big") * 64)
+        got = [await asyncio.wait_for(sub.get(), 10) for _ in range(n)]
+        assert sorted(int.from_bytes(m.data[:4], "big") for m in got) == list(range(n))
+        assert sub.dropped == 0
