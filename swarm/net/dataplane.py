@@ -53,6 +53,8 @@ from swarm.wire.frames import FrameReader, encode_frame, encode_header
 
 logger = logging.getLogger(__name__)
 
+_WRITE_SLICE = 1 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class DataPlaneConfig:
@@ -76,8 +78,9 @@ class DataPlaneConfig:
     max_connections: int = 256
     #: Connections from or to one peer; more is a protocol violation.
     max_connections_per_peer: int = 8
-    #: Bytes queued for the socket before ``send`` waits.
-    write_high_water: int = 8 << 20
+    #: Bytes queued in asyncio's write buffer before ``send`` waits (a frame is written in
+    #: 1 MiB slices, so a small value costs nothing in throughput).
+    write_high_water: int = 1 << 20
     #: Inbound messages queued before reading pauses (standalone :class:`DirectTransport`).
     inbox_depth: int = 256
     #: Peer events queued (standalone :class:`DirectTransport`).
@@ -108,6 +111,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.reason = ""
         self._write_ok = asyncio.Event()
         self._write_ok.set()
+        self._send_lock = asyncio.Lock()
         self._reading_paused = False
         self._last_progress = self.loop.time()
         self._timer: asyncio.TimerHandle | None = None
@@ -275,16 +279,29 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.abort()
 
     async def send(self, payload: bytes | memoryview) -> None:
-        while not self._write_ok.is_set():
-            await self._write_ok.wait()
-        if self.closing or self.session is None or self.transport is None:
-            raise PeerUnreachable(f"connection to {self.peer_id} is closed")
-        size = len(payload) + TAG_LEN
-        header = encode_header(size)
-        out = bytearray(4 + size)
-        out[:4] = header
-        self.session.seal_into(header, payload, memoryview(out)[4:])
-        self.transport.write(out)
+        async with self._send_lock:  # frames are sealed and written in nonce order
+            while not self._write_ok.is_set():
+                await self._write_ok.wait()
+            if self.closing or self.session is None or self.transport is None:
+                raise PeerUnreachable(f"connection to {self.peer_id} is closed")
+            size = len(payload) + TAG_LEN
+            header = encode_header(size)
+            out = bytearray(4 + size)
+            out[:4] = header
+            self.session.seal_into(header, payload, memoryview(out)[4:])
+            if len(out) <= _WRITE_SLICE:
+                self.transport.write(out)
+                return
+            # Large frames go out in slices, waiting for the socket between them: asyncio
+            # copies whatever a write cannot send at once into its buffer and compacts
+            # that buffer on every send, so small backlogs are much cheaper than big ones.
+            view = memoryview(out)
+            for start in range(0, len(out), _WRITE_SLICE):
+                if not self._write_ok.is_set():
+                    await self._write_ok.wait()
+                if self.closing:
+                    raise PeerUnreachable(f"connection to {self.peer_id} closed mid-frame")
+                self.transport.write(view[start:start + _WRITE_SLICE])
 
     @property
     def write_backlog(self) -> int:

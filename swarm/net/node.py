@@ -420,6 +420,18 @@ class Libp2pNode:
         return tuple(out)
 
     @property
+    def trio_guest(self) -> TrioGuest:
+        """The trio guest run hosting libp2p (for code that drives libp2p directly)."""
+        return self._check_open()
+
+    @property
+    def libp2p_host(self) -> IHost:
+        """The py-libp2p host; use it only from trio code run through :attr:`trio_guest`."""
+        self._check_open()
+        assert self._host is not None
+        return self._host
+
+    @property
     def data_address(self) -> tuple[str, int] | None:
         """The data plane's (host, port), or None without a data plane."""
         return self.plane.address if self.plane is not None else None
