@@ -1,0 +1,296 @@
+"""Fused single-pass numba kernels of the exponent-grouped delta codec.
+
+Every kernel works on unsigned integer views of raw bits (uint8/16/32/64), so change
+detection compares bits, never float values. Values are mapped to order-preserving keys
+(sign-magnitude floats become monotone unsigned integers; integers stay as they are) and a
+change is the key difference modulo 2**bits: exact and reversible for every bit pattern,
+including -0.0/+0.0 and NaN payloads.
+
+Kernels return an error code instead of raising (0 = ok), release the GIL and are cached
+on disk after their first compilation.
+"""
+
+from __future__ import annotations
+
+import numba as nb  # type: ignore[import-untyped,import-not-found,unused-ignore]
+import numpy as np
+
+ONE = np.uint64(1)
+ESCAPE = 255
+RICE_KMAX = 24
+RICE_QMAX = 24
+
+
+@nb.njit(cache=True, nogil=True, inline="always")  # type: ignore[untyped-decorator,unused-ignore]
+def _key(b: np.uint64, signbit: np.uint64, full: np.uint64) -> np.uint64:
+    if signbit != 0 and (b & signbit) != 0:
+        return full ^ b
+    return b | signbit
+
+
+@nb.njit(cache=True, nogil=True, inline="always")  # type: ignore[untyped-decorator,unused-ignore]
+def _unkey(k: np.uint64, signbit: np.uint64, full: np.uint64) -> np.uint64:
+    if signbit == 0:
+        return k
+    if (k & signbit) != 0:
+        return k ^ signbit
+    return full ^ k
+
+
+@nb.njit(cache=True, nogil=True)
+def scan_changes(old, new, shift, emask, signbit, full,  # type: ignore[no-untyped-def]
+                 counts, cls_out, rank_out, d_out):
+    """One pass: class rank of every element, and (class, rank, key diff) of each change.
+
+    Returns the number of changes, or -1 when ``cls_out`` is too small.
+    """
+    n = old.shape[0]
+    cap = cls_out.shape[0]
+    k = 0
+    for i in range(n):
+        b = np.uint64(old[i])
+        e = (b >> shift) & emask
+        r = counts[e]
+        counts[e] = r + 1
+        c = np.uint64(new[i])
+        if b != c:
+            if k == cap:
+                return -1
+            cls_out[k] = e
+            rank_out[k] = r
+            d_out[k] = (_key(c, signbit, full) - _key(b, signbit, full)) & full
+            k += 1
+    return k
+
+
+@nb.njit(cache=True, nogil=True)
+def _put(out, acc, meta, value, nbits):  # type: ignore[no-untyped-def]
+    """Append the ``nbits`` (<= 32) low bits of ``value`` LSB-first.
+
+    ``acc[0]`` holds pending bits, ``meta`` = [pending bit count, bytes written].
+    """
+    a = acc[0] | (np.uint64(value) << np.uint64(meta[0]))
+    used = meta[0] + nbits
+    pos = meta[1]
+    while used >= 8:
+        out[pos] = a & np.uint64(0xFF)
+        a >>= np.uint64(8)
+        used -= 8
+        pos += 1
+    acc[0] = a
+    meta[0] = used
+    meta[1] = pos
+
+
+@nb.njit(cache=True, nogil=True)
+def group_encode(cls, rank, d, k, nclass, nbytes_val, full, half,  # type: ignore[no-untyped-def]
+                 ccount, kparam, gaps_out, signs_out, mags_out):
+    """Group changes by class; write Rice-coded rank gaps (one parameter per class, chosen
+    for the fewest bits), sign bits and escaped u8 magnitudes.
+
+    ``ccount``/``kparam`` (``nclass`` long, zeroed) receive changes and the Rice parameter
+    per class. Returns (gap bytes, magnitude bytes) written.
+    """
+    for j in range(k):
+        ccount[cls[j]] += 1
+    off = np.empty(nclass, np.int64)
+    s = 0
+    for e in range(nclass):
+        off[e] = s
+        s += ccount[e]
+    order = np.empty(k, np.int64)
+    gapv = np.empty(k, np.int64)
+    last = np.full(nclass, -1, np.int64)
+    for j in range(k):
+        e = cls[j]
+        r = np.int64(rank[j])
+        order[off[e]] = j
+        gapv[off[e]] = r - last[e] - 1
+        last[e] = r
+        off[e] += 1
+    cost = np.zeros(RICE_KMAX + 1, np.int64)
+    p0 = 0
+    for e in range(nclass):
+        c = ccount[e]
+        if c == 0:
+            continue
+        cost[:] = 0
+        for p in range(p0, p0 + c):
+            g = gapv[p]
+            for kk in range(RICE_KMAX + 1):
+                q = g >> kk
+                cost[kk] += (1 + kk + q) if q < RICE_QMAX else RICE_QMAX + 32
+        best = 0
+        for kk in range(1, RICE_KMAX + 1):
+            if cost[kk] < cost[best]:
+                best = kk
+        kparam[e] = best
+        p0 += c
+    acc = np.zeros(1, np.uint64)
+    meta = np.zeros(2, np.int64)
+    m = 0
+    p0 = 0
+    for e in range(nclass):
+        c = ccount[e]
+        if c == 0:
+            continue
+        kk = kparam[e]
+        for p in range(p0, p0 + c):
+            g = gapv[p]
+            q = g >> kk
+            if q < RICE_QMAX:
+                _put(gaps_out, acc, meta, (np.int64(1) << q) - 1, q + 1)
+                if kk:
+                    _put(gaps_out, acc, meta, g & ((np.int64(1) << kk) - 1), kk)
+            else:
+                _put(gaps_out, acc, meta, (np.int64(1) << RICE_QMAX) - 1, RICE_QMAX)
+                _put(gaps_out, acc, meta, g, 32)
+        p0 += c
+    if meta[0]:
+        _put(gaps_out, acc, meta, 0, 8 - meta[0])
+    g_bytes = meta[1]
+    for p in range(k):
+        j = order[p]
+        dd = np.uint64(d[j])
+        if (dd & half) != 0:
+            signs_out[p >> 3] |= np.uint8(1 << (p & 7))
+            mag = (full - dd) + ONE
+        else:
+            mag = dd
+        mm = mag - ONE
+        if mm < np.uint64(ESCAPE):
+            mags_out[m] = mm
+            m += 1
+        else:
+            mags_out[m] = ESCAPE
+            for t in range(nbytes_val):
+                mags_out[m + 1 + t] = (mm >> np.uint64(8 * t)) & np.uint64(0xFF)
+            m += 1 + nbytes_val
+    return g_bytes, m
+
+
+@nb.njit(cache=True, nogil=True)
+def decode_ranks(ccounts, kparams, gaps, ranks_out, limit):  # type: ignore[no-untyped-def]
+    """Rice-coded rank gaps -> class ranks, grouped by class. 0 ok, 1 truncated,
+    2 trailing bytes or bits, 3 non-canonical escape, 4 rank past the segment."""
+    nbits = gaps.shape[0] * 8
+    b = 0
+    p = 0
+    for ci in range(ccounts.shape[0]):
+        kk = kparams[ci]
+        last = -1
+        for _ in range(ccounts[ci]):
+            q = 0
+            while q < RICE_QMAX:
+                if b >= nbits:
+                    return 1
+                bit = (gaps[b >> 3] >> (b & 7)) & 1
+                b += 1
+                if bit == 0:
+                    break
+                q += 1
+            if q < RICE_QMAX:
+                if b + kk > nbits:
+                    return 1
+                low = np.int64(0)
+                for t in range(kk):
+                    low |= np.int64((gaps[(b + t) >> 3] >> ((b + t) & 7)) & 1) << t
+                b += kk
+                v = (np.int64(q) << kk) | low
+            else:
+                if b + 32 > nbits:
+                    return 1
+                v = np.int64(0)
+                for t in range(32):
+                    v |= np.int64((gaps[(b + t) >> 3] >> ((b + t) & 7)) & 1) << t
+                b += 32
+                if (v >> kk) < RICE_QMAX:
+                    return 3
+            last = last + 1 + v
+            if last >= limit:
+                return 4
+            ranks_out[p] = last
+            p += 1
+    if (b + 7) // 8 != gaps.shape[0]:
+        return 2
+    while b < nbits:
+        if (gaps[b >> 3] >> (b & 7)) & 1:
+            return 2
+        b += 1
+    return 0
+
+
+@nb.njit(cache=True, nogil=True)
+def locate(old, shift, emask, class_start, class_end, ranks, pos_out):  # type: ignore[no-untyped-def]
+    """One pass over the old values: class ranks -> element positions. 0 ok, 1 a rank
+    is past its class population."""
+    nclass = class_start.shape[0]
+    ptr = class_start.copy()
+    nxt = np.full(nclass, -1, np.int64)
+    for e in range(nclass):
+        if ptr[e] < class_end[e]:
+            nxt[e] = ranks[ptr[e]]
+    cnt = np.zeros(nclass, np.int64)
+    n = old.shape[0]
+    for i in range(n):
+        e = (np.uint64(old[i]) >> shift) & emask
+        r = cnt[e]
+        cnt[e] = r + 1
+        if r == nxt[e]:
+            p = ptr[e]
+            pos_out[p] = i
+            p += 1
+            ptr[e] = p
+            nxt[e] = ranks[p] if p < class_end[e] else -1
+    for e in range(nclass):
+        if ptr[e] != class_end[e]:
+            return 1
+    return 0
+
+
+@nb.njit(cache=True, nogil=True)
+def decode_values(signs, mags, k, nbytes_val, full, half, d_out):  # type: ignore[no-untyped-def]
+    """Sign bits + escaped u8 magnitudes -> key differences. 0 ok, 1 truncated,
+    2 trailing bytes, 3 non-canonical or out-of-range value."""
+    n = mags.shape[0]
+    m = 0
+    for p in range(k):
+        if m >= n:
+            return 1
+        v = np.uint64(mags[m])
+        m += 1
+        if v == np.uint64(ESCAPE):
+            if m + nbytes_val > n:
+                return 1
+            v = np.uint64(0)
+            for t in range(nbytes_val):
+                v |= np.uint64(mags[m + t]) << np.uint64(8 * t)
+            m += nbytes_val
+            if v < np.uint64(ESCAPE):
+                return 3
+        if v >= half:
+            return 3
+        mag = v + ONE
+        if (signs[p >> 3] >> (p & 7)) & 1:
+            d_out[p] = (full - mag) + ONE
+        else:
+            if mag == half:
+                return 3
+            d_out[p] = mag
+    if m != n:
+        return 2
+    if (k & 7) != 0 and (signs[k >> 3] >> (k & 7)) != 0:
+        return 3
+    return 0
+
+
+@nb.njit(cache=True, nogil=True)
+def apply_diffs(arr, pos, d, signbit, full, negate):  # type: ignore[no-untyped-def]
+    """arr[pos] = unkey(key(arr[pos]) +/- d) in place."""
+    for j in range(pos.shape[0]):
+        i = pos[j]
+        dd = np.uint64(d[j])
+        if negate:
+            dd = ((full - dd) + ONE) & full
+        k = (_key(np.uint64(arr[i]), signbit, full) + dd) & full
+        arr[i] = _unkey(k, signbit, full)

@@ -1,0 +1,319 @@
+"""The ``swarm-xg1`` delta codec: exponent-grouped positions + ULP differences.
+
+A delta is cut into *segments* (a run of at most ``SEGMENT_ELEMS`` elements of one tensor)
+and segments are packed into *chunks* (about ``CHUNK_TARGET`` bytes) that decode and apply
+independently, in any order. Per segment, with the receiver's old values as context:
+
+- every element belongs to the class of its old value's exponent field (integers: one
+  class); changes are grouped by class and their positions coded as gaps between ranks
+  *within the class*, Rice-coded with one parameter per class (the encoder picks the
+  cheapest; a quotient of 24 or more escapes to a raw u32 gap);
+- each change is the difference of order-preserving keys modulo 2**bits, sent as a sign
+  bit (packed) and ``magnitude - 1`` as one byte (255 escapes the full-width value).
+
+The gap bitstream and the sign bits are raw; the magnitude bytes are zstd-compressed
+(with their content size, bounded on decode). Chunk wire form (canonical msgpack)::
+
+    ["swarm-xg1", [[tensor, start, count, changes, classes, gaps, signs, mags], ...]]
+
+``classes`` is ``u16 class ids || u32 counts || u8 Rice parameters`` (little-endian,
+ids ascending). A chunk is decoded completely and checked against the state's layout
+before any byte is written.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zstandard
+
+from swarm.content.layout import StateLayout
+from swarm.content.manifest import MAX_CHUNK_BYTES
+from swarm.delta import _kernels as K
+from swarm.delta.dtypes import BIT_FORMATS, BitFormat, bits_view
+from swarm.errors import DecodeError, LocalProtocolError
+from swarm.wire import strict
+
+CODEC_NAME = "swarm-xg1"
+SEGMENT_ELEMS = 1 << 22
+CHUNK_TARGET = 2 << 20
+MAX_SEGMENTS = 1 << 16
+ZSTD_LEVEL = 1
+_GAP_BITS_MAX = K.RICE_QMAX + 32
+
+U64 = np.uint64
+Bits = np.ndarray
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    c = getattr(_local, "cctx", None)
+    if c is None:
+        c = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
+        _local.cctx = c
+    return c
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = zstandard.ZstdDecompressor()
+        _local.dctx = d
+    return d
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedSegment:
+    """The coded changes of elements ``[start, start + count)`` of tensor ``tensor``."""
+
+    tensor: int
+    start: int
+    count: int
+    changes: int
+    classes: bytes
+    gaps: bytes
+    signs: bytes
+    mags: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.classes) + len(self.gaps) + len(self.signs) + len(self.mags) + 24
+
+    def to_wire(self) -> list[object]:
+        return [self.tensor, self.start, self.count, self.changes, self.classes, self.gaps,
+                self.signs, self.mags]
+
+
+def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
+                   ) -> EncodedSegment | None:
+    """Encode the changed bits between two equal-length unsigned views; None if none."""
+    n = old.shape[0]
+    counts = np.zeros(fmt.nclass, np.int64)
+    cap = max(1024, n // 16)
+    while True:
+        cls = np.empty(cap, np.uint16)
+        rank = np.empty(cap, np.uint32)
+        d = np.empty(cap, fmt.uint)
+        k = K.scan_changes(old, new, U64(fmt.shift), U64(fmt.emask), fmt.signbit, fmt.full,
+                           counts, cls, rank, d)
+        if k >= 0:
+            break
+        counts[:] = 0
+        cap = n
+    if k == 0:
+        return None
+    ccount = np.zeros(fmt.nclass, np.int64)
+    kparam = np.zeros(fmt.nclass, np.int64)
+    gaps = np.empty(_gap_bound(k), np.uint8)
+    signs = np.zeros((k + 7) // 8, np.uint8)
+    mags = np.empty(k * (1 + fmt.nbytes), np.uint8)
+    g, m = K.group_encode(cls, rank, d, k, fmt.nclass, fmt.nbytes, fmt.full, fmt.half,
+                          ccount, kparam, gaps, signs, mags)
+    present = np.flatnonzero(ccount)
+    classes = (present.astype("<u2").tobytes() + ccount[present].astype("<u4").tobytes()
+               + kparam[present].astype(np.uint8).tobytes())
+    return EncodedSegment(tensor, start, n, int(k), classes, gaps[:g].tobytes(),
+                          signs.tobytes(), _compressor().compress(mags[:m].tobytes()))
+
+
+def _gap_bound(changes: int) -> int:
+    return (_GAP_BITS_MAX * changes + 7) // 8
+
+
+def pack_chunk(segments: Sequence[EncodedSegment]) -> bytes:
+    """Wire bytes of a chunk holding ``segments`` (in state order)."""
+    if not segments or len(segments) > MAX_SEGMENTS:
+        raise LocalProtocolError(f"a chunk holds 1..{MAX_SEGMENTS} segments")
+    return strict.pack([CODEC_NAME, [s.to_wire() for s in segments]])
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentChange:
+    """Decoded changes of one segment: absolute element positions and key differences."""
+
+    tensor: int
+    positions: np.ndarray
+    diffs: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedChunk:
+    """What one applied chunk changed; enough to revert it exactly."""
+
+    segments: tuple[SegmentChange, ...]
+    tensor_names: frozenset[str]
+
+    @property
+    def changes(self) -> int:
+        return sum(int(s.positions.shape[0]) for s in self.segments)
+
+
+def _unzstd(blob: bytes, bound: int, what: str) -> np.ndarray:
+    try:
+        size = zstandard.frame_content_size(blob)
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"chunk: {what} stream is not a zstd frame") from exc
+    if size < 0 or size > bound:
+        raise DecodeError(f"chunk: {what} stream declares {size} bytes (bound {bound})")
+    try:
+        out = _decompressor().decompress(blob, max_output_size=bound)
+    except zstandard.ZstdError as exc:
+        raise DecodeError(f"chunk: {what} stream is not valid zstd: {exc}") from exc
+    if len(out) != size:
+        raise DecodeError(f"chunk: {what} stream has {len(out)} bytes, header says {size}")
+    return np.frombuffer(out, np.uint8)
+
+
+def parse_chunk(data: bytes | bytearray | memoryview) -> list[list[object]]:
+    """Strictly parse a chunk's container (no state needed).
+
+    :raises DecodeError: oversized, malformed, non-canonical or another codec's chunk.
+    """
+    obj = strict.unpack(data, max_bytes=MAX_CHUNK_BYTES, max_str=32, max_bin=MAX_CHUNK_BYTES,
+                        max_array=MAX_SEGMENTS, max_map=0)
+    if type(obj) is not list or len(obj) != 2:
+        raise DecodeError("chunk: expected [codec, segments]")
+    if obj[0] != CODEC_NAME:
+        raise DecodeError(f"chunk: codec {obj[0]!r:.40} is not {CODEC_NAME!r}")
+    segs = obj[1]
+    if type(segs) is not list or not segs:
+        raise DecodeError("chunk: segments must be a non-empty list")
+    for seg in segs:
+        if (type(seg) is not list or len(seg) != 8
+                or any(type(x) is not int for x in seg[:4])
+                or any(type(x) is not bytes for x in seg[4:])):
+            raise DecodeError("chunk: a segment is [tensor, start, count, changes, "
+                              "classes, gaps, signs, mags]")
+    return segs
+
+
+def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits],
+                   prev_end: tuple[int, int]) -> SegmentChange:
+    """Decode one parsed segment against the current (old) values; writes nothing."""
+    tensor, start, count, changes = (int(x) for x in seg[:4])  # type: ignore[call-overload]
+    classes, gaps, signs, mags = (bytes(x) for x in seg[4:])  # type: ignore[call-overload]
+    if not 0 <= tensor < len(layout):
+        raise DecodeError(f"chunk: tensor index {tensor} outside the layout")
+    spec = layout.tensors[tensor]
+    if (tensor, start) < prev_end:
+        raise DecodeError("chunk: segments overlap or are out of order")
+    if not (start >= 0 and 0 < count <= SEGMENT_ELEMS and start + count <= spec.numel):
+        raise DecodeError(f"chunk: segment [{start}, +{count}) outside {spec.name}")
+    if not 0 < changes <= count:
+        raise DecodeError(f"chunk: {changes} changes in a {count}-element segment")
+    fmt = BIT_FORMATS[spec.dtype]
+    if len(classes) % 7 or not 0 < len(classes) // 7 <= fmt.nclass:
+        raise DecodeError("chunk: malformed class table")
+    nc = len(classes) // 7
+    ids = np.frombuffer(classes, "<u2", nc).astype(np.int64)
+    ccounts = np.frombuffer(classes, "<u4", nc, offset=2 * nc).astype(np.int64)
+    kparams = np.frombuffer(classes, np.uint8, nc, offset=6 * nc).astype(np.int64)
+    if (ids[-1] >= fmt.nclass or np.any(np.diff(ids) <= 0) or np.any(ccounts <= 0)
+            or np.any(kparams > K.RICE_KMAX) or int(ccounts.sum()) != changes):
+        raise DecodeError("chunk: class table inconsistent with the change count")
+    if len(signs) != (changes + 7) // 8:
+        raise DecodeError("chunk: sign stream has the wrong length")
+    if len(gaps) > _gap_bound(changes):
+        raise DecodeError("chunk: gap stream is longer than its changes allow")
+    gap_bytes = np.frombuffer(gaps, np.uint8)
+    mag_bytes = _unzstd(mags, (1 + fmt.nbytes) * changes, "magnitude")
+    ranks = np.empty(changes, np.int64)
+    err = K.decode_ranks(ccounts, kparams, gap_bytes, ranks, count)
+    if err:
+        raise DecodeError(f"chunk: bad gap stream (code {err})")
+    diffs = np.empty(changes, fmt.uint)
+    err = K.decode_values(np.frombuffer(signs, np.uint8), mag_bytes, changes, fmt.nbytes,
+                          fmt.full, fmt.half, diffs)
+    if err:
+        raise DecodeError(f"chunk: bad sign/magnitude stream (code {err})")
+    class_start = np.zeros(fmt.nclass, np.int64)
+    class_end = np.zeros(fmt.nclass, np.int64)
+    ends = np.cumsum(ccounts)
+    class_start[ids] = ends - ccounts
+    class_end[ids] = ends
+    pos = np.empty(changes, np.int64)
+    old = views[tensor][start:start + count]
+    err = K.locate(old, U64(fmt.shift), U64(fmt.emask), class_start, class_end, ranks, pos)
+    if err:
+        raise DecodeError("chunk: a change's rank is past its class population")
+    pos += start
+    return SegmentChange(tensor, pos, diffs)
+
+
+def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
+                 views: Sequence[Bits]) -> AppliedChunk:
+    """Decode and check a whole chunk against the state's current values; writes nothing.
+
+    :raises DecodeError: the chunk is corrupt, truncated, oversized or does not fit the
+        layout.
+    """
+    segs = parse_chunk(data)
+    out = []
+    prev = (-1, 0)
+    for seg in segs:
+        change = decode_segment(seg, layout, views, prev)
+        prev = (change.tensor, int(seg[1]) + int(seg[2]))  # type: ignore[call-overload]
+        out.append(change)
+    names = frozenset(layout.tensors[s.tensor].name for s in out)
+    return AppliedChunk(tuple(out), names)
+
+
+def _apply(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
+           negate: bool) -> None:
+    segs = reversed(chunk.segments) if negate else chunk.segments
+    for s in segs:
+        fmt = BIT_FORMATS[layout.tensors[s.tensor].dtype]
+        K.apply_diffs(views[s.tensor], s.positions, s.diffs, fmt.signbit, fmt.full, negate)
+
+
+def apply_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk) -> None:
+    """Write a decoded chunk's changes into the state (views of its tensors)."""
+    _apply(layout, views, chunk, negate=False)
+
+
+def revert_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk) -> None:
+    """Undo :func:`apply_decoded` exactly."""
+    _apply(layout, views, chunk, negate=True)
+
+
+def state_views(state: Mapping[str, torch.Tensor], layout: StateLayout) -> list[Bits]:
+    """Writable bit views of every tensor, checked against ``layout``.
+
+    :raises LocalProtocolError: the state does not match the layout.
+    """
+    from swarm.delta.state import layout_of
+
+    if layout_of(state) != layout:
+        raise LocalProtocolError("the state does not match the delta's layout")
+    return [bits_view(t, name) for name, t in state.items()]
+
+
+def apply_chunk(state: Mapping[str, torch.Tensor], data: bytes | bytearray | memoryview,
+                layout: StateLayout | None = None) -> AppliedChunk:
+    """Decode ``data`` and apply it to ``state`` in place; returns what reverts it.
+
+    Nothing is written unless the whole chunk decodes and fits the state.
+
+    :raises DecodeError: corrupt, truncated or oversized chunk.
+    """
+    from swarm.delta.state import layout_of
+
+    lay = layout if layout is not None else layout_of(state)
+    views = state_views(state, lay)
+    decoded = decode_chunk(data, lay, views)
+    apply_decoded(lay, views, decoded)
+    return decoded
+
+
+def revert_chunk(state: Mapping[str, torch.Tensor], applied: AppliedChunk,
+                 layout: StateLayout | None = None) -> None:
+    """Undo :func:`apply_chunk` exactly (revert several in reverse order of applying)."""
+    from swarm.delta.state import layout_of
+
+    lay = layout if layout is not None else layout_of(state)
+    revert_decoded(lay, state_views(state, lay), applied)
