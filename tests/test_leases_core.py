@@ -258,7 +258,11 @@ def test_partial_results_and_duplicate_tasks() -> None:
     assert len(lease.tasks) >= 2
     rows = completions(lease)
     assert submit(t, p, ALICE, lease, 2.0, results=rows[:1]).reason is Reason.ACCEPTED
-    assert submit(t, p, ALICE, lease, 2.1, results=rows[:2]).reason is Reason.DUPLICATE
+    dup = submit(t, p, ALICE, lease, 2.1, results=rows[:2])
+    assert dup.reason is Reason.DUPLICATE and dup.accepted == (rows[0].task_id,)
+    # The peer learns that task was counted (its own earlier verdict may have been lost).
+    assert p.receive(dup, 2.1) is Reason.DUPLICATE
+    assert p.held[lease.lease_id].counted == {rows[0].task_id}
     assert t.lease_state(lease.lease_id) is LeaseState.ACTIVE
     assert submit(t, p, ALICE, lease, 2.2, results=rows[1:]).reason is Reason.ACCEPTED
     assert t.lease_state(lease.lease_id) is LeaseState.COMPLETED

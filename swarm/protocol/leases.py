@@ -581,7 +581,8 @@ class Verdict(_Signed):
     """The trainer's answer to a claim it cannot grant, a heartbeat or a result.
 
     ``expires_ms`` is the lease's new expiry after a renewal (0 otherwise); ``accepted``
-    lists the task ids a result got counted for.
+    lists the task ids a result got counted for (for ``DUPLICATE``: those of its tasks
+    that were already counted; empty when the whole lease was).
     """
 
     TAG: ClassVar[str] = "verdict"
@@ -1002,10 +1003,11 @@ class _LeaseRec:
 
 
 class _Refused(Exception):
-    def __init__(self, reason: Reason, detail: str) -> None:
+    def __init__(self, reason: Reason, detail: str, counted: tuple[int, ...] = ()) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+        self.counted = counted
 
 
 class TrainerLeases:
@@ -1199,7 +1201,8 @@ class TrainerLeases:
             self._count_refusal(ref.reason, blamed, subject, ref.detail, ops)
             self._store.commit(ops)
             self._apply_pending_closes(ops)
-            return [self._verdict(subject, lease_id, ref.reason, now, detail=ref.detail)]
+            return [self._verdict(subject, lease_id, ref.reason, now, detail=ref.detail,
+                                  accepted=ref.counted)]
         self._store.commit(ops)
         self._apply_pending_closes(ops)
         return [reply]
@@ -1341,8 +1344,9 @@ class TrainerLeases:
         if res.version < floor:
             self._close(res.lease_id, LeaseState.RELEASED, ops)
             raise _Refused(Reason.STALE_VERSION, f"version {res.version} < {floor}")
-        if any(t in rec.accepted for t in ids):
-            raise _Refused(Reason.DUPLICATE, "tasks already counted")
+        counted = tuple(t for t in ids if t in rec.accepted)
+        if counted:
+            raise _Refused(Reason.DUPLICATE, "tasks already counted", counted)
         if any(t not in rec.pending for t in ids):
             raise _Refused(Reason.TASK_NOT_IN_LEASE, "result names tasks outside the lease")
         for tr in res.results:
@@ -1544,8 +1548,13 @@ class PeerLeases:
             return verdict.reason
         logger.info("trainer refused our %s for lease %s: %s (%s)", verdict.subject,
                     verdict.lease_id.hex()[:12] or "-", verdict.reason.value, verdict.detail)
-        if held is not None and (verdict.reason in _DROPS_LEASE or (
-                verdict.subject == "result" and verdict.reason is Reason.DUPLICATE)):
+        if held is not None and verdict.subject == "result" and verdict.reason is \
+                Reason.DUPLICATE:
+            # Counted before (our verdict was lost): the listed tasks, or the whole lease.
+            held.counted.update(verdict.accepted or held.lease.task_ids)
+            if held.counted >= set(held.lease.task_ids):
+                del self.held[verdict.lease_id]
+        elif held is not None and verdict.reason in _DROPS_LEASE:
             del self.held[verdict.lease_id]
         return verdict.reason
 
