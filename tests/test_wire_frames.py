@@ -67,3 +67,17 @@ def test_garbage_raises_only_decode_error_and_stays_bounded(data: bytes) -> None
         assert len(f) <= 512
     assert reader._body is None or len(reader._body) <= 512
     assert len(data) < HEADER_LEN or reader.pending == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=6))
+def test_hold_mode_yields_one_frame_per_resume_then_applies_the_new_bound(
+        bodies: list[bytes]) -> None:
+    reader = FrameReader(512, scratch=4096, hold=True)
+    reader.feed(b"".join(encode_frame(b) for b in bodies) + encode_frame(bytes(1000)))
+    for i, b in enumerate(bodies):
+        assert drain(reader) == [b]
+        if i == len(bodies) - 1:
+            reader.max_frame, reader.hold = 2000, False  # the handshake raised the bound
+        reader.resume()
+    assert drain(reader) == [bytes(1000)]

@@ -35,6 +35,7 @@ from swarm.net.handshake import (
     MAX_HANDSHAKE_BYTES,
     TAG_LEN,
     ClientHandshake,
+    HandshakeError,
     ServerHandshake,
     Session,
 )
@@ -88,6 +89,15 @@ class DataPlaneConfig:
     scores: ScoreConfig = field(default_factory=ScoreConfig)
 
 
+def _sealed_frame(session: Session, payload: bytes | memoryview) -> bytearray:
+    size = len(payload) + TAG_LEN
+    header = encode_header(size)
+    out = bytearray(4 + size)
+    out[:4] = header
+    session.seal_into(header, payload, memoryview(out)[4:])
+    return out
+
+
 class _Connection(asyncio.BufferedProtocol):
     """One TCP connection, client or server side; driven by asyncio callbacks."""
 
@@ -96,11 +106,12 @@ class _Connection(asyncio.BufferedProtocol):
         self.plane = plane
         self.refuse = refuse
         self._hello_done = False
+        self._awaiting_welcome = False
         self.loop = asyncio.get_running_loop()
         self.client = client
         self.server = None if client else ServerHandshake(plane.identity,
                                                           ciphers=plane.config.ciphers)
-        self.reader = FrameReader(MAX_HANDSHAKE_BYTES, scratch=64 << 10)
+        self.reader = FrameReader(MAX_HANDSHAKE_BYTES, scratch=64 << 10, hold=True)
         self.session: Session | None = None
         self.peer_id: str | None = client.expected_peer_id if client else None
         self.transport: asyncio.Transport | None = None
@@ -182,6 +193,11 @@ class _Connection(asyncio.BufferedProtocol):
             try:
                 if self.session is None:
                     self._handshake(body)
+                    self.reader.resume()  # bytes after it, under the updated bound
+                elif self._awaiting_welcome:
+                    if self.session.open(header, body):
+                        raise HandshakeError("the server's first frame was not a welcome")
+                    self._admit_or_refuse()
                 else:
                     payload = self.session.open(header, body)
                     assert self.peer_id is not None
@@ -226,16 +242,31 @@ class _Connection(asyncio.BufferedProtocol):
     def _established(self, session: Session) -> None:
         self.session = session
         self.peer_id = session.peer_id
+        self.reader.max_frame = self.plane.config.max_message_bytes + TAG_LEN
+        self.reader.hold = False
+        if self.client is not None:
+            # The dial succeeds only once the server admits us: its first frame is an
+            # empty sealed "welcome" (a refusal is a close), so ``connect`` can tell.
+            self._awaiting_welcome = True
+            return
+        if self._admit_or_refuse():
+            assert self.transport is not None
+            self.transport.write(_sealed_frame(session, b""))
+
+    def _admit_or_refuse(self) -> bool:
+        assert self.session is not None
+        self._awaiting_welcome = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         refusal = self.plane._admit(self)
         if refusal:
-            self.fail(refusal, penalize=False)
-            return
-        self.reader.max_frame = self.plane.config.max_message_bytes + TAG_LEN
+            self.fail(refusal, penalize=False,
+                      error=PeerUnreachable(f"{self.peer_id}: {refusal}"))
+            return False
         if not self.ready.done():
-            self.ready.set_result(session.peer_id)
+            self.ready.set_result(self.session.peer_id)
+        return True
 
     # -- timers ----------------------------------------------------------------------
     def _handshake_expired(self) -> None:
@@ -284,11 +315,7 @@ class _Connection(asyncio.BufferedProtocol):
                 await self._write_ok.wait()
             if self.closing or self.session is None or self.transport is None:
                 raise PeerUnreachable(f"connection to {self.peer_id} is closed")
-            size = len(payload) + TAG_LEN
-            header = encode_header(size)
-            out = bytearray(4 + size)
-            out[:4] = header
-            self.session.seal_into(header, payload, memoryview(out)[4:])
+            out = _sealed_frame(self.session, payload)
             if len(out) <= _WRITE_SLICE:
                 self.transport.write(out)
                 return

@@ -48,10 +48,16 @@ class FrameReader:
     ``max_frame`` + ``scratch`` plus what the caller leaves undrained.
     """
 
-    def __init__(self, max_frame: int, *, scratch: int = 256 << 10) -> None:
+    def __init__(self, max_frame: int, *, scratch: int = 256 << 10, hold: bool = False
+                 ) -> None:
         if not 0 < max_frame <= MAX_FRAME_CEILING or scratch < HEADER_LEN:
             raise ValueError("max_frame or scratch out of range")
         self.max_frame = max_frame
+        #: Stop parsing after each completed frame until :meth:`resume` (handshakes: the
+        #: frame may change how the next ones are bounded). What follows in the same read
+        #: waits in a stash of at most two scratch buffers.
+        self.hold = hold
+        self._stash = bytearray()
         self._scratch = bytearray(scratch)
         self._header = bytearray(HEADER_LEN)
         self._have_header = 0
@@ -73,7 +79,8 @@ class FrameReader:
     def get_buffer(self) -> memoryview:
         """Where the next bytes should be read to."""
         body = self._body
-        if body is not None and len(body) - self._have_body >= len(self._scratch):
+        if body is not None and not self._stash \
+                and len(body) - self._have_body >= len(self._scratch):
             self._direct = True
             return memoryview(body)[self._have_body:]
         self._direct = False
@@ -98,6 +105,11 @@ class FrameReader:
             self._have_body = 0
 
     def _consume(self, view: memoryview) -> None:
+        if self._stash:  # held: keep the order of the bytes
+            if len(self._stash) + len(view) > 2 * len(self._scratch):
+                raise DecodeError("peer sent too much before the handshake finished")
+            self._stash += view
+            return
         while view:
             body = self._body
             if body is None:
@@ -114,6 +126,9 @@ class FrameReader:
                         f"frame of {length} bytes is over the bound {self.max_frame}")
                 if length == 0:
                     self._done.append((bytes(self._header), bytearray()))
+                    if self.hold and view:
+                        self._stash += view
+                        return
                     continue
                 self._body = bytearray(length)
                 self._have_body = 0
@@ -123,7 +138,17 @@ class FrameReader:
             self._have_body += take
             view = view[take:]
             self._finish_body()
+            if self.hold and self._body is None and view:
+                self._stash += view
+                return
 
+    def resume(self) -> None:
+        """Parse what was held back after the last frame (under the current bound).
+
+        :raises DecodeError: as :meth:`advance`.
+        """
+        stash, self._stash = self._stash, bytearray()
+        self._consume(memoryview(stash))
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Copy ``data`` in (tests, fuzzing, drivers that receive ``bytes``).
 
