@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """A Qwen3-style decoder shape (embeddings tied, as in small Qwen3 models)."""
+    """A Qwen3-style decoder shape (separate input embedding and LM head, as
+    ``Qwen3Config`` defaults to)."""
 
     vocab: int
     hidden: int
@@ -33,16 +34,16 @@ class ModelShape:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
         norms = 2 * self.hidden + 2 * self.head_dim
-        return self.vocab * self.hidden + self.layers * (attn + mlp + norms) + self.hidden
+        return 2 * self.vocab * self.hidden + self.layers * (attn + mlp + norms) + self.hidden
 
 
 PRESETS: dict[str, ModelShape] = {
     "5M": ModelShape(vocab=4096, hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2),
-    "25M": ModelShape(vocab=16384, hidden=512, layers=6, intermediate=1536, heads=8,
+    "30M": ModelShape(vocab=16000, hidden=512, layers=6, intermediate=1536, heads=8,
                       kv_heads=4),
-    "75M": ModelShape(vocab=32000, hidden=768, layers=8, intermediate=2048, heads=12,
-                      kv_heads=4),
-    "250M": ModelShape(vocab=151936, hidden=1024, layers=8, intermediate=3072, heads=16,
+    "100M": ModelShape(vocab=32000, hidden=768, layers=8, intermediate=2048, heads=12,
+                       kv_heads=4),
+    "250M": ModelShape(vocab=32000, hidden=1024, layers=15, intermediate=3072, heads=16,
                        kv_heads=8),
 }
 
@@ -73,7 +74,7 @@ class Workload:
             vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers,
             intermediate_size=s.intermediate, num_attention_heads=s.heads,
             num_key_value_heads=s.kv_heads, head_dim=s.head_dim, initializer_range=0.02,
-            tie_word_embeddings=True, max_position_embeddings=max(4 * config.seq, 256),
+            tie_word_embeddings=False, max_position_embeddings=max(4 * config.seq, 256),
         )
         self.model = Qwen3ForCausalLM(hf)
         self.model.train()
@@ -97,7 +98,7 @@ class Workload:
         return loss.item()
 
     def bf16_state(self) -> dict[str, torch.Tensor]:
-        """The bf16 inference copy, in state_dict order (tied weights appear once)."""
+        """The bf16 inference copy, in state_dict order (shared tensors appear once)."""
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in self.model.state_dict().items():
