@@ -133,6 +133,58 @@ def test_an_engine_built_from_the_updated_state_generates_the_same(engine: Torch
         assert other.generate(PROMPTS, GREEDY) == engine.generate(PROMPTS, GREEDY)
 
 
+def sparse_pairs(update: dict[str, torch.Tensor], current: dict[str, torch.Tensor]
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The same update as (flat indices, values) of the entries that changed."""
+    pairs = {}
+    for name, new in update.items():
+        flat_new = new.reshape(-1)
+        idx = torch.nonzero(flat_new != current[name].reshape(-1)).reshape(-1)
+        pairs[name] = (idx, flat_new[idx].clone())
+    return pairs
+
+
+def test_apply_sparse_equals_the_dense_update(engine: TorchEngine) -> None:
+    update = sparse_update(engine, 0.03, seed=6)
+    state = {n: t.detach().clone() for n, t in engine.model.state_dict().items()}
+    pairs = sparse_pairs(update, state)
+    assert 0 < sum(int(i.numel()) for i, _ in pairs.values()) < 0.1 * sum(
+        t.numel() for t in update.values()
+    )
+    pointer = engine.model.get_parameter("model.norm.weight").data_ptr()
+    engine.apply_sparse(pairs)
+    assert engine.model.get_parameter("model.norm.weight").data_ptr() == pointer
+    expected = {n: digest_of(t) for n, t in update.items()}
+    assert engine.tensor_digests(list(update)) == expected
+
+
+@pytest.mark.parametrize(
+    "indices, values",
+    [
+        (torch.tensor([3, 2]), torch.zeros(2)),
+        (torch.tensor([2, 2]), torch.zeros(2)),
+        (torch.tensor([64]), torch.zeros(1)),
+        (torch.tensor([-1]), torch.zeros(1)),
+        (torch.tensor([1, 2], dtype=torch.int32), torch.zeros(2)),
+        (torch.tensor([[1, 2]]), torch.zeros(1, 2)),
+        (torch.tensor([1, 2]), torch.zeros(3)),
+        (torch.tensor([1, 2]), torch.zeros(2, dtype=torch.float64)),
+    ],
+    ids=["unsorted", "duplicate", "past-end", "negative", "int32", "2-d", "count", "dtype"],
+)
+def test_apply_sparse_rejects_bad_entries_and_writes_nothing(
+    engine: TorchEngine, indices: torch.Tensor, values: torch.Tensor
+) -> None:
+    digests = engine.tensor_digests()
+    good = (torch.tensor([0, 5]), torch.tensor([7.0, 8.0]))
+    with pytest.raises(EngineUpdateError):
+        engine.apply_sparse({"model.layers.1.input_layernorm.weight": good,
+                             "model.norm.weight": (indices, values)})
+    with pytest.raises(EngineUpdateError):
+        engine.apply_sparse({"model.missing": good})
+    assert engine.tensor_digests() == digests
+
+
 @pytest.mark.parametrize(
     "bad",
     [

