@@ -557,3 +557,77 @@ def test_restore_keeps_leases_meaningful_and_counts_once() -> None:
     assert lc.lease_id not in (la.lease_id, lb.lease_id)
     assert not set(lc.task_ids) & t2.done
     assert t2.outstanding == 20 - len(t2.done)
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+def check_invariants(t: TrainerLeases, n_tasks: int) -> None:
+    pending = [tid for lease in t.live_leases() for tid in lease.task_ids
+               if tid not in t.done]
+    queued = sorted(t._queue)  # white-box: the queue itself
+    assert len(pending) == len(set(pending)), "a task is live in two leases"
+    assert not set(queued) & set(pending), "a task is both queued and leased"
+    assert not (set(queued) | set(pending)) & t.done, "a counted task is still outstanding"
+    assert len(queued) == len(set(queued))
+    assert set(queued) | set(pending) | t.done == set(range(n_tasks)), "a task was lost"
+    assert t.outstanding == n_tasks - len(t.done)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_operation_sequences_keep_every_task_exactly_once(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    store = MemoryLeaseStore()
+    n_tasks = 30
+    t = make_trainer(n_tasks, store=store, max_leases_per_peer=2, ban_below=-1e9)
+    idents = [ALICE, BOB, MALLORY]
+    peers = {i.peer_id: peer(i) for i in idents}
+    sent: list[tuple[str, bytes]] = []
+    now, version = 1.0, 0
+    counted: list[int] = []
+    for _ in range(150):
+        now += rng.choice([0.1, 0.5, 2.0, 8.0])
+        op = rng.random()
+        ident = rng.choice(idents)
+        p = peers[ident.peer_id]
+        if op < 0.3:
+            claim = p.claim(now, tokens_per_s=rng.uniform(1, 30), version=version,
+                            want=rng.randint(1, 10))
+            for reply in t.handle(claim.encode(), now, sender=ident.peer_id):
+                p.receive(reply, now)
+        elif op < 0.6 and p.held:
+            held = rng.choice(list(p.held.values()))
+            rows = completions(held.lease)
+            rng.shuffle(rows)
+            res = p.result(held.lease.lease_id, version, rows[:rng.randint(1, len(rows))], now)
+            sent.append((ident.peer_id, res.encode()))
+            for reply in t.handle(res.encode(), now, sender=ident.peer_id):
+                assert isinstance(reply, Verdict)
+                if reply.reason is Reason.ACCEPTED:
+                    counted.extend(reply.accepted)
+                p.receive(reply, now)
+        elif op < 0.7 and sent:  # replay something old, from anyone
+            src, data = rng.choice(sent)
+            sender = rng.choice([src, ident.peer_id])
+            for reply in t.handle(data, now, sender=sender):
+                assert isinstance(reply, Verdict) and reply.reason is not Reason.ACCEPTED
+        elif op < 0.8:
+            for hb in p.heartbeats(now):
+                for reply in t.handle(hb.encode(), now, sender=ident.peer_id):
+                    p.receive(reply, now)
+        elif op < 0.85:
+            version += 1
+            t.publish_version(version, now)
+        elif op < 0.9:  # crash and restore from what was committed
+            t = TrainerLeases.restore(TRAINER, t.config, store, now)
+        else:
+            t.tick(now)
+            for p_ in peers.values():
+                p_.tick(now)
+        check_invariants(t, n_tasks)
+    assert len(counted) == len(set(counted)), "a task was acknowledged twice"
+    assert set(counted) == t.done
+    assert store.load().done == t.done
+    print(f"seed={seed} counted={len(counted)} refused={dict(t.stats.refused)}")

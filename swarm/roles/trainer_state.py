@@ -170,10 +170,11 @@ class TrainerState:
                        (op.expires, op.lease_id))
         elif isinstance(op, AcceptResult):
             res = op.result
+            digest, holder = res.digest, res.signer_peer_id
             db.execute("INSERT OR IGNORE INTO result_blobs VALUES (?, ?)",
-                       (res.digest, res.encode()))
+                       (digest, res.encode()))
             db.executemany("INSERT INTO results VALUES (?, ?, ?, ?, ?, ?)", [
-                (t, res.lease_id, res.signer_peer_id, res.version, res.digest, op.time)
+                (t, res.lease_id, holder, res.version, digest, op.time)
                 for t in res.task_ids])
             db.executemany("UPDATE tasks SET state = 'done' WHERE task_id = ?",
                            [(t,) for t in res.task_ids])
