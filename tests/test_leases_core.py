@@ -216,6 +216,27 @@ def test_peer_refuses_foreign_forged_and_misaddressed_leases() -> None:
         p.result(b"f" * 16, 0, [TaskResult(1, ())], 1.0)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=300))
+def test_hostile_bytes_never_crash_either_side(data: bytes) -> None:
+    t = TrainerLeases(TRAINER, LeaseConfig(run=RUN))
+    assert t.handle(data, 1.0, sender=MALLORY.peer_id) == []
+    p = peer(ALICE)
+    assert p.receive(data, 1.0, sender=MALLORY.peer_id) is not Reason.ACCEPTED
+    assert p.held == {}
+
+
+def test_peer_refuses_to_sign_results_below_the_lease_minimum_version() -> None:
+    t = make_trainer()
+    t.publish_version(3, 10.0)
+    p = peer(ALICE)
+    lease = get_lease(t, p, ALICE, 11.0, version=3)
+    assert lease.min_version == 2 and lease.latest_version == 3
+    with pytest.raises(LocalProtocolError):
+        p.result(lease.lease_id, 1, completions(lease), 12.0)
+    assert p.next_deadline() is not None
+
+
 def test_peer_expiry_follows_lease_duration_and_renewals() -> None:
     t = make_trainer()
     p = peer(ALICE)

@@ -1489,12 +1489,23 @@ class PeerLeases:
         held = self.held.get(lease_id)
         if held is None:
             raise LocalProtocolError("no such held lease (expired or never accepted)")
+        if version < held.lease.min_version:
+            raise LocalProtocolError(f"version {version} is below the lease's minimum "
+                                     f"{held.lease.min_version}")
         ids = {r.task_id for r in results}
         if not ids <= set(held.lease.task_ids):
             raise LocalProtocolError("results for tasks outside the lease")
         held.submitted |= ids
         return Result(self._run, lease_id, version, tuple(results),
                       self._stamp(now)).sign(self._id)
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`heartbeats` or :meth:`tick` next has something to do."""
+        times = []
+        for held in self.held.values():
+            period = self._hb_fraction * (held.lease.expires_ms - held.lease.issued_ms) / 1000
+            times += [held.last_heartbeat + period, held.expires]
+        return min(times, default=None)
 
     def tick(self, now: float) -> list[bytes]:
         """Drop leases past their expiry: the engine should stop working on them."""
