@@ -1,0 +1,110 @@
+"""Piece picking: rarest-first order, import ranks, and catch-up planning (pure functions).
+
+Nothing here keeps time or does I/O; :mod:`swarm.protocol.exchange` calls these with its
+own state and clock.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from swarm.content.manifest import Manifest
+
+
+def tiebreak(salt: int, index: int) -> int:
+    """A deterministic per-node pseudo-random key for ``index`` (spreads equal rarities)."""
+    return zlib.crc32(index.to_bytes(4, "little"), salt & 0xFFFFFFFF)
+
+
+def rarest_first(missing: Iterable[int], local: Sequence[int], availability: Sequence[int],
+                 salt: int, suggested: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """Missing chunk indices in the order to fetch them.
+
+    Suggested ones first; then fewest holders in my own region (a chunk the region lacks
+    must be imported, and the region's designated importer should start at once); then
+    fewest holders overall. Chunks nobody offers come last, so a caller can still ask the
+    source of last resort for them. Ties are broken by a per-node hash so that
+    neighbours with the same view do not all ask for the same chunk.
+    """
+    return sorted(missing, key=lambda i: (i not in suggested, availability[i] == 0,
+                                          local[i], availability[i], tiebreak(salt, i)))
+
+
+def peer_key(peer: str) -> int:
+    """A stable 32-bit key of a peer id, for :func:`import_rank`."""
+    return zlib.crc32(peer.encode())
+
+
+def import_rank(me: int, index: int, obj: bytes, local_peers: Iterable[int]) -> int:
+    """My rank among ``local_peers`` (keys of same-region neighbours lacking the chunk).
+
+    Rendezvous hashing: every peer of a region computes the same order over the region's
+    members for each chunk, so the rank-0 peer imports the chunk across the WAN at once
+    and the others wait for it to appear in the region (each rank waits a little longer),
+    which keeps cross-region bytes near one copy per region. Keys come from
+    :func:`peer_key`; ties (equal keys) count against me.
+    """
+    salt = zlib.crc32(obj[:8] + index.to_bytes(4, "little"))
+
+    def mix(k: int) -> int:
+        x = (k ^ salt) * 0x9E3779B1 & 0xFFFFFFFF
+        x ^= x >> 15
+        return x * 0x85EBCA77 & 0xFFFFFFFF
+
+    mine = mix(me)
+    return sum(1 for k in local_peers if mix(k) >= mine and k != me)
+
+
+def pipeline_depth(rate: float, rtt: float, chunk_bytes: int, lo: int, hi: int) -> int:
+    """Requests to keep in flight to one neighbour: its bandwidth-delay product in chunks,
+    plus one so the link never idles while the next request travels."""
+    if chunk_bytes <= 0:
+        return lo
+    bdp = rate * (rtt + chunk_bytes / max(rate, 1.0)) / chunk_bytes
+    return max(lo, min(hi, int(bdp) + 1))
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpPlan:
+    """How a node behind the head reaches ``target_step``.
+
+    ``kind`` is ``"chain"`` (apply ``steps`` deltas in order), ``"state"`` (fetch the
+    pieces of the current state) or ``"none"`` (already there). ``nbytes`` is what it
+    must download; ``chain_bytes`` is ``None`` when the chain is broken or not retained.
+    """
+
+    kind: str
+    steps: tuple[int, ...]
+    nbytes: int
+    chain_bytes: int | None
+    state_bytes: int
+
+
+def plan_catch_up(local_step: int, local_root: bytes, target_step: int,
+                  deltas: Mapping[int, Manifest], state_bytes: int) -> CatchUpPlan:
+    """Choose the cheaper of the delta chain ``local_step -> target_step`` and the state.
+
+    ``deltas[s]`` is the manifest of the delta ``s-1 -> s`` where one is retained; the
+    chain counts only when every link is present and each base root is the previous
+    target root (starting at ``local_root``).
+    """
+    if local_step == target_step:
+        return CatchUpPlan("none", (), 0, 0, state_bytes)
+    if local_step > target_step:
+        raise ValueError("local step is ahead of the target")
+    chain: int | None = 0
+    root = local_root
+    steps = tuple(range(local_step + 1, target_step + 1))
+    for s in steps:
+        m = deltas.get(s)
+        if m is None or m.kind != "delta" or m.base_root != root or m.step != s:
+            chain = None
+            break
+        assert chain is not None
+        chain += m.total_bytes
+        root = m.target_root
+    if chain is not None and chain <= state_bytes:
+        return CatchUpPlan("chain", steps, chain, chain, state_bytes)
+    return CatchUpPlan("state", (target_step,), state_bytes, chain, state_bytes)

@@ -1,0 +1,1 @@
+"""Virtual-time simulation of a swarm distributing weight deltas (runs the real exchange core)."""

@@ -1,0 +1,425 @@
+"""Discrete-event simulation of one step: the real exchange core on every node, virtual time.
+
+Control messages arrive after the one-way latency of their region pair. Pieces are flows
+in a :class:`~swarm.sim.network.FlowNetwork`; each directed connection sends one piece at
+a time (as a TCP stream would) and pulls the next from the sender's core when the last
+one has left, so cancels still withdraw queued pieces. Malicious nodes run the honest
+core but corrupt every piece they send; crashed nodes go silent; leaving nodes say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swarm.content.ids import chunk_id, domain_hash
+from swarm.protocol.exchange import (
+    Exchange,
+    ExchangeConfig,
+    ObjectComplete,
+    ObjectSpec,
+    PeerBanned,
+    PeerTimedOut,
+)
+from swarm.protocol.exchange_msgs import Message, Piece
+from swarm.sim.scenario import Population
+
+log = logging.getLogger(__name__)
+
+_MSG, _PIECE, _TIMER, _CHURN, _GONE = range(5)
+MAX_EVENTS = 20_000_000
+
+
+@dataclass(slots=True)
+class SwarmResult:
+    """What one simulated step measured."""
+
+    completion_s: float | None
+    """Time until every honest peer present at the end holds the version (None: never)."""
+    peer_done: dict[int, float]
+    trainer_egress: float
+    region_in: list[float]
+    """Bytes that crossed WAN links into each region."""
+    bans: list[tuple[str, str, str]]
+    """(banning peer, banned peer, reason)."""
+    bit_exact: bool
+    honest_done: int
+    honest_total: int
+    timeouts: int
+    wasted_bytes: int
+    events: int
+    wall_s: float
+    flows_recomputed: int
+    per_region_done: dict[int, float] = field(default_factory=dict)
+
+
+def peer_name(i: int) -> str:
+    return "trainer" if i == 0 else f"peer-{i:04d}"
+
+
+def make_payload(sizes: list[int], seed: int, real: bool) -> tuple[ObjectSpec, list[bytes]]:
+    """Deterministic chunk bytes and their object spec."""
+    rng = np.random.default_rng(seed)
+    chunks = []
+    for i, n in enumerate(sizes):
+        if real:
+            chunks.append(rng.bytes(n))
+        else:
+            chunks.append(i.to_bytes(4, "little") * (n // 4) + b"\0" * (n % 4))
+    ids = tuple(chunk_id(c) for c in chunks)
+    obj = domain_hash("swarm/sim/object", seed.to_bytes(8, "little"), b"".join(ids))
+    return ObjectSpec(obj, ids, tuple(sizes)), chunks
+
+
+class SwarmSim:
+    """One step of one population. Call :meth:`run` once."""
+
+    def __init__(self, pop: Population, *, step: int = 0,
+                 config: ExchangeConfig | None = None,
+                 trainer_config: ExchangeConfig | None = None,
+                 progress: Callable[[float, int, int], None] | None = None,
+                 max_time: float | None = None) -> None:
+        sc = pop.scenario
+        self.pop = pop
+        self.topo = pop.topo
+        self.seed = sc.seed * 1_000_003 + step
+        self.rng = random.Random(self.seed)
+        self.progress = progress
+        self.max_time = max_time if max_time is not None else max(600.0, 20 * sc.rollout_s)
+        from swarm.sim.network import FlowNetwork
+
+        self.net = FlowNetwork(self.topo, quantum=sc.rate_quantum)
+        self.spec, self.truth = make_payload(sc.chunk_sizes(), self.seed, sc.chunk_payload)
+        self._truth_by_id = dict(zip(self.spec.chunk_ids, self.truth, strict=True))
+        self.config = config or ExchangeConfig()
+        self.trainer_config = trainer_config or ExchangeConfig(
+            unchoke_all=True, super_seed=True, max_queue=256, suggest_depth=2,
+            suggest_total=48)
+        self.scale_slots = True
+        self.n_total = self.topo.n_nodes
+        self.cores: dict[int, Exchange] = {}
+        self.alive: set[int] = set()
+        self.links: dict[int, set[int]] = {}
+        self.busy: dict[tuple[int, int], int] = {}
+        self.up_active: dict[int, int] = {}
+        self.up_wait: dict[int, deque[int]] = {}
+        self.up_conc = max(1, sc.upload_concurrency)
+        self.up_conc_trainer = max(1, sc.trainer_upload_concurrency)
+        self.flow_of: dict[int, tuple[int, int, Piece]] = {}
+        self.timer_at: dict[int, float] = {}
+        self.heap: list[tuple[float, int, int, int, int, object]] = []
+        self.seq = 0
+        self.done: dict[int, float] = {}
+        self.bans: list[tuple[str, str, str]] = []
+        self.timeouts = 0
+        self.now = 0.0
+        self.events = 0
+        self._changed = False
+
+    # ------------------------------------------------------------ plumbing
+
+    def _verify(self, cid: bytes, data: bytes) -> bool:
+        # The simulator knows the true bytes: the same object is trivially right; any
+        # other bytes (a malicious copy) are hashed for real.
+        truth = self._truth_by_id.get(cid)
+        return data is truth or chunk_id(data) == cid
+
+    def _push(self, t: float, kind: int, a: int, b: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b, payload))
+
+    def _lat(self, a: int, b: int) -> float:
+        r = self.topo.region
+        return self.topo.latency[r[a]][r[b]]
+
+    def _add_node(self, i: int) -> None:
+        if i == 0:
+            cfg = self.trainer_config
+        else:
+            # a node knows its own link: it sizes its in-flight window by its download and
+            # its upload slots by its upload (about 12.5 MB/s per slot)
+            slots = self.config.upload_slots
+            if self.scale_slots:
+                slots = max(2, min(slots, round(self.topo.up[i] / 12.5e6)))
+            cfg = dataclasses.replace(
+                self.config, download_rate=self.topo.down[i], upload_slots=slots,
+                remote_slots=max(1, min(self.config.remote_slots, slots // 3)))
+        region = self.pop.scenario.regions[self.topo.region[i]]
+        core = Exchange(peer_name(i), region=region, config=cfg, seed=self.seed + i,
+                        now=self.now, verifier=self._verify)
+        self.cores[i] = core
+        self.alive.add(i)
+        self.links[i] = set()
+        self.up_active[i] = 0
+        self.up_wait[i] = deque()
+        if i == 0:
+            core.add_object(self.spec, self.now, dict(enumerate(self.truth)))
+        else:
+            core.add_object(self.spec, self.now)
+
+    def _link(self, a: int, b: int) -> None:
+        if b in self.links[a]:
+            return
+        self.links[a].add(b)
+        self.links[b].add(a)
+        rtt = 2 * self._lat(a, b)
+        ra, rb = self.topo.region[a], self.topo.region[b]
+        names = self.pop.scenario.regions
+        self.cores[a].connect(peer_name(b), self.now, region=names[rb], rtt=rtt,
+                              trainer=b == 0)
+        self.cores[b].connect(peer_name(a), self.now, region=names[ra], rtt=rtt,
+                              trainer=a == 0)
+
+    def _choose_neighbours(self, i: int, candidates: list[int]) -> None:
+        sc = self.pop.scenario
+        r = self.topo.region[i]
+        local = [j for j in candidates if j != i and self.topo.region[j] == r]
+        remote = [j for j in candidates if j != i and self.topo.region[j] != r]
+        self.rng.shuffle(local)
+        self.rng.shuffle(remote)
+        for j in local[: sc.max_local]:
+            self._link(i, j)
+        for j in remote[: sc.max_remote]:
+            self._link(i, j)
+
+    def _unlink(self, a: int, b: int) -> None:
+        if b not in self.links.get(a, set()):
+            return
+        self.links[a].discard(b)
+        self.links.get(b, set()).discard(a)
+        for src, dst in ((a, b), (b, a)):
+            slot = self.busy.pop((src, dst), None)
+            if slot is not None:
+                self.net.cancel(slot)
+                self.flow_of.pop(slot, None)
+                self.up_active[src] -= 1
+                if src in self.alive:
+                    self._serve(src)
+
+    def _pump(self, i: int) -> None:
+        core = self.cores[i]
+        for name, msg in core.take_outgoing():
+            j = _index(name)
+            if j in self.links[i]:
+                self._push(self.now + self._lat(i, j), _MSG, i, j, msg)
+        ready = core.take_upload_ready()
+        for name in sorted(ready):
+            j = _index(name)
+            if j not in self.up_wait[i]:
+                self.up_wait[i].append(j)
+        if ready:
+            self._serve(i)
+        for ev in core.take_events():
+            if isinstance(ev, ObjectComplete):
+                self.done.setdefault(i, ev.at)
+                self._changed = True
+            elif isinstance(ev, PeerBanned):
+                self.bans.append((peer_name(i), ev.peer, ev.reason))
+                self._drop_link(i, _index(ev.peer))
+            elif isinstance(ev, PeerTimedOut):
+                self.timeouts += 1
+                self._drop_link(i, _index(ev.peer))
+        t = core.next_timer()
+        if t is not None:
+            t = max(t, self.now + 1e-6)
+            cur = self.timer_at.get(i)
+            if cur is None or t < cur:
+                self.timer_at[i] = t
+                self._push(t, _TIMER, i, i, t)
+
+    def _drop_link(self, i: int, j: int) -> None:
+        """``i`` dropped ``j``: close the connection; ``j`` notices after the latency."""
+        if j in self.links[i]:
+            self._unlink(i, j)
+            if j in self.alive:
+                self._push(self.now + self._lat(i, j), _GONE, i, j, None)
+
+    def _serve(self, i: int) -> None:
+        """Start uploads from ``i`` while it has fewer than ``upload_concurrency`` going:
+        an application-level upload scheduler that sends a few pieces at a time at full
+        speed (round robin over the connections with queued requests) instead of
+        splitting the uplink over every request at once."""
+        core = self.cores[i]
+        wait = self.up_wait[i]
+        for _ in range(len(wait)):
+            if self.up_active[i] >= (self.up_conc_trainer if i == 0 else self.up_conc) or not wait:
+                return
+            j = wait.popleft()
+            if j not in self.links[i] or (i, j) in self.busy:
+                continue
+            piece = core.next_upload(peer_name(j), self.now)
+            if piece is None:
+                continue
+            if i in self.pop.malicious:
+                bad = bytearray(piece.data)
+                bad[len(bad) // 2] ^= 0x5A
+                piece = Piece(piece.obj, piece.index, bytes(bad))
+            slot = self.net.start(i, j, len(piece.data) + 48)
+            self.busy[(i, j)] = slot
+            self.flow_of[slot] = (i, j, piece)
+            self.up_active[i] += 1
+
+    # ------------------------------------------------------------ run
+
+    def run(self) -> SwarmResult:
+        wall0 = time.perf_counter()
+        sc = self.pop.scenario
+        initial = list(range(self.pop.initial + 1))
+        for i in initial:
+            self._add_node(i)
+        for i in initial[1:]:
+            self._link(0, i)
+        for i in initial[1:]:
+            self._choose_neighbours(i, initial[1:])
+        next_join = self.pop.initial + 1
+        for ev in sc.churn:
+            if ev.kind == "join":
+                for _ in range(ev.count):
+                    self._push(ev.at, _CHURN, next_join, 0, "join")
+                    next_join += 1
+            else:
+                self._push(ev.at, _CHURN, 0, ev.count, ev.kind)
+        for i in initial:
+            self._pump(i)
+        honest = self._honest()
+        last_report = -1.0
+        while self.events < MAX_EVENTS:
+            nxt = self.net.next_completion()
+            t_heap = self.heap[0][0] if self.heap else None
+            if nxt is None and t_heap is None:
+                break
+            if nxt is not None and (t_heap is None or nxt[0] <= t_heap):
+                t = nxt[0]
+                if t > self.max_time:
+                    break
+                self.net.advance(t)
+                self.now = t
+                if nxt[1] >= 0:
+                    self._flow_done(nxt[1])
+            else:
+                assert t_heap is not None
+                if t_heap > self.max_time:
+                    break
+                t, _, kind, a, b, payload = heapq.heappop(self.heap)
+                self.net.advance(t)
+                self.now = t
+                self._handle(kind, a, b, payload)
+            self.events += 1
+            if self.progress is not None and self.now - last_report >= 0.05:
+                last_report = self.now
+                self.progress(self.now, len(self.done.keys() & honest), len(honest))
+            if self._changed:
+                self._changed = False
+                honest = self._honest()
+                if honest and honest <= self.done.keys() and not self._pending_churn():
+                    break
+        return self._result(wall0)
+
+    def _pending_churn(self) -> bool:
+        return any(kind == _CHURN for _, _, kind, _, _, _ in self.heap)
+
+    def _honest(self) -> set[int]:
+        return {i for i in self.alive if i != 0 and i not in self.pop.malicious}
+
+    def _flow_done(self, slot: int) -> None:
+        i, j, piece = self.flow_of.pop(slot)
+        self.net.finish(slot)
+        del self.busy[(i, j)]
+        self.up_active[i] -= 1
+        self._push(self.now + self._lat(i, j), _PIECE, i, j, piece)
+        if (j in self.links[i] and self.cores[i].upload_queued(peer_name(j))
+                and j not in self.up_wait[i]):
+            self.up_wait[i].append(j)
+        self._serve(i)
+
+    def _handle(self, kind: int, a: int, b: int, payload: object) -> None:
+        if kind == _TIMER:
+            if self.timer_at.get(a) != payload or a not in self.alive:
+                return
+            del self.timer_at[a]
+            self.cores[a].handle_timer(self.now)
+            self._pump(a)
+        elif kind in (_MSG, _PIECE):
+            if b not in self.alive or a not in self.links[b]:
+                return
+            assert isinstance(payload, Message)
+            self.cores[b].receive(peer_name(a), payload, self.now)
+            self._pump(b)
+        elif kind == _GONE:
+            if b in self.alive:
+                self._unlink(b, a)
+                self.cores[b].disconnect(peer_name(a), self.now)
+                self._pump(b)
+        elif kind == _CHURN:
+            self._churn(a, b, str(payload))
+
+    def _churn(self, a: int, b: int, what: str) -> None:
+        self._changed = True
+        if what == "join":
+            self._add_node(a)
+            self._link(0, a)
+            present = sorted(i for i in self.alive if i not in (0, a))
+            self._choose_neighbours(a, present)
+            self._pump(a)
+            for j in self.links[a]:
+                self._pump(j)
+            return
+        victims = sorted(i for i in self.alive if i != 0 and i not in self.done)
+        self.rng.shuffle(victims)
+        for v in victims[:b]:
+            self.alive.discard(v)
+            self.timer_at.pop(v, None)
+            for j in list(self.links[v]):
+                self._unlink(v, j)
+                if what == "leave":
+                    self._push(self.now + self._lat(v, j), _GONE, v, j, None)
+
+    def _result(self, wall0: float) -> SwarmResult:
+        honest = self._honest()
+        complete = honest <= self.done.keys()
+        completion = max((self.done[i] for i in honest), default=0.0) if complete else None
+        exact = complete
+        if exact:
+            for i in honest:
+                core = self.cores[i]
+                for k, cid in enumerate(self.spec.chunk_ids):
+                    data = core.chunk(self.spec.obj, k)
+                    if data is None or not self._verify(cid, data):
+                        exact = False
+                        break
+        r = self.topo.n_regions
+        into = [float(sum(self.net.region_bytes[s][d] for s in range(r) if s != d))
+                for d in range(r)]
+        per_region: dict[int, float] = {}
+        for i in honest & self.done.keys():
+            reg = self.topo.region[i]
+            per_region[reg] = max(per_region.get(reg, 0.0), self.done[i])
+        return SwarmResult(
+            completion_s=completion,
+            peer_done={i: self.done[i] for i in sorted(self.done)},
+            trainer_egress=float(self.net.node_up_bytes[0]),
+            region_in=into,
+            bans=self.bans,
+            bit_exact=exact,
+            honest_done=len(honest & self.done.keys()),
+            honest_total=len(honest),
+            timeouts=self.timeouts,
+            wasted_bytes=sum(c.bytes_wasted for c in self.cores.values()),
+            events=self.events,
+            wall_s=time.perf_counter() - wall0,
+            flows_recomputed=self.net.recomputes,
+            per_region_done=per_region,
+        )
+
+
+def _index(name: str) -> int:
+    return 0 if name == "trainer" else int(name.split("-", 1)[1])
+

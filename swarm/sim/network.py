@@ -1,0 +1,190 @@
+"""A fluid network model: nodes with up/down capacities in regions joined by shared WAN links.
+
+Transfers are flows. Every flow crosses its sender's uplink, its receiver's downlink and,
+between regions, the directed WAN link of that region pair; concurrent flows share those
+capacities max-min fairly (progressive filling, vectorised with numpy; resources whose
+fair shares lie within ``tolerance`` of the bottleneck are frozen together, which errs
+slightly on the slow side). Rates are recomputed whenever the set of flows changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Capacities in bytes per second, one-way latencies in seconds."""
+
+    up: tuple[float, ...]
+    down: tuple[float, ...]
+    region: tuple[int, ...]
+    wan: tuple[tuple[float, ...], ...]
+    """``wan[a][b]``: capacity of the directed link from region ``a`` to region ``b``."""
+    latency: tuple[tuple[float, ...], ...]
+    """``latency[a][b]``: one-way delay between regions (``latency[a][a]`` inside one)."""
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.up)
+
+    @property
+    def n_regions(self) -> int:
+        return len(self.wan)
+
+
+class FlowNetwork:
+    """Active flows, their fair rates, and byte counters per node and region pair."""
+
+    def __init__(self, topo: Topology, tolerance: float = 0.02, quantum: float = 0.0) -> None:
+        self.topo = topo
+        self.tolerance = tolerance
+        self.quantum = quantum
+        self._last_recompute = -1.0
+        n, r = topo.n_nodes, topo.n_regions
+        self._n, self._r = n, r
+        wan = np.array(topo.wan, dtype=np.float64).reshape(r * r)
+        self._cap = np.concatenate([np.array(topo.up, np.float64),
+                                    np.array(topo.down, np.float64), wan])
+        self._region = np.array(topo.region, dtype=np.int64)
+        size = 64
+        self._src = np.zeros(size, np.int64)
+        self._dst = np.zeros(size, np.int64)
+        self._rem = np.zeros(size, np.float64)
+        self._rate = np.zeros(size, np.float64)
+        self._active = np.zeros(size, bool)
+        self._free: list[int] = list(range(size - 1, -1, -1))
+        self._dirty = False
+        self._stale = False
+        self._next: tuple[float, int] | None = None
+        self.now = 0.0
+        self.node_up_bytes = np.zeros(n, np.float64)
+        self.node_down_bytes = np.zeros(n, np.float64)
+        self.region_bytes = np.zeros((r, r), np.float64)
+        self.recomputes = 0
+
+    # ------------------------------------------------------------ flows
+
+    def start(self, src: int, dst: int, nbytes: int) -> int:
+        """Start a flow; returns its slot id (valid until it completes or is cancelled)."""
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self._src[slot], self._dst[slot] = src, dst
+        self._rem[slot] = float(max(nbytes, 1))
+        self._rate[slot] = 0.0
+        self._active[slot] = True
+        self._dirty = self._stale = True
+        return slot
+
+    def cancel(self, slot: int) -> None:
+        """Stop a flow early (a node crashed): the bytes already sent stay counted."""
+        if self._active[slot]:
+            self._active[slot] = False
+            self._free.append(slot)
+            self._dirty = self._stale = True
+
+    def _grow(self) -> None:
+        old = len(self._src)
+        new = old * 2
+        for name in ("_src", "_dst", "_rem", "_rate", "_active"):
+            arr = getattr(self, name)
+            grown = np.zeros(new, arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    @property
+    def n_active(self) -> int:
+        return int(self._active.sum())
+
+    def advance(self, t: float) -> None:
+        """Move time to ``t``, draining every flow at its current rate."""
+        dt = t - self.now
+        if dt < 0:
+            raise ValueError("time runs forward")
+        if dt > 0:
+            idx = np.flatnonzero(self._active)
+            if len(idx):
+                moved = np.minimum(self._rate[idx] * dt, self._rem[idx])
+                self._rem[idx] -= moved
+                src, dst = self._src[idx], self._dst[idx]
+                n, r = self._n, self._r
+                self.node_up_bytes += np.bincount(src, moved, minlength=n)
+                self.node_down_bytes += np.bincount(dst, moved, minlength=n)
+                pair = self._region[src] * r + self._region[dst]
+                self.region_bytes += np.bincount(pair, moved, minlength=r * r).reshape(r, r)
+        self.now = t
+
+    def next_completion(self) -> tuple[float, int] | None:
+        """(time, slot) of the flow that finishes first at current rates.
+
+        With a ``quantum``, rates are recomputed at most once per quantum of time: in
+        between, new flows wait at rate 0 and the others keep their rates (always
+        feasible, slightly slow). Slot ``-1`` then marks a tick with no completion: the
+        caller advances to it and asks again.
+        """
+        if self._dirty and self.now >= self._last_recompute + self.quantum:
+            self._last_recompute = self.now
+            self._recompute()
+            self._stale = True
+        if self._stale:
+            # draining at fixed rates keeps the order of finishing: cache until a change
+            self._stale = False
+            idx = np.flatnonzero(self._active & (self._rate > 0))
+            if len(idx):
+                eta = self._rem[idx] / self._rate[idx]
+                k = int(np.argmin(eta))
+                self._next = (self.now + float(eta[k]), int(idx[k]))
+            else:
+                self._next = None
+        if self._dirty:
+            due = self._last_recompute + self.quantum
+            if self._next is None or self._next[0] > due:
+                return due, -1
+        return self._next
+
+    def finish(self, slot: int) -> tuple[int, int]:
+        """Retire a completed flow; returns (src, dst)."""
+        self._active[slot] = False
+        self._free.append(slot)
+        self._dirty = self._stale = True
+        return int(self._src[slot]), int(self._dst[slot])
+
+    # ------------------------------------------------------------ fair sharing
+
+    def _recompute(self) -> None:
+        self._dirty = False
+        self.recomputes += 1
+        idx = np.flatnonzero(self._active)
+        if not len(idx):
+            return
+        n, r = self._n, self._r
+        src, dst = self._src[idx], self._dst[idx]
+        rs, rd = self._region[src], self._region[dst]
+        cross = rs != rd
+        f = len(idx)
+        pos = np.arange(f)
+        fr = np.concatenate([pos, pos, pos[cross]])
+        rr = np.concatenate([src, n + dst, 2 * n + rs[cross] * r + rd[cross]])
+        cap = self._cap.copy()
+        rate = np.zeros(f)
+        frozen = np.zeros(f, bool)
+        nres = len(cap)
+        for _ in range(nres + 1):
+            live = ~frozen[fr]
+            if not live.any():
+                break
+            cnt = np.bincount(rr[live], minlength=nres)
+            used = cnt > 0
+            share = np.full(nres, np.inf)
+            share[used] = np.maximum(cap[used], 0.0) / cnt[used]
+            level = float(share.min())
+            rate[~frozen] += level
+            cap -= level * cnt
+            tight = used & (share <= level * (1 + self.tolerance) + 1e-9)
+            hit = live & tight[rr]
+            frozen[fr[hit]] = True
+        self._rate[idx] = rate

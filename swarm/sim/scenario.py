@@ -1,0 +1,235 @@
+"""Simulation scenarios: regions, link classes, payload, churn and malice; presets; TOML.
+
+A :class:`Scenario` is a frozen description; :meth:`Scenario.build` turns it into a
+deterministic population (regions and link classes drawn from the seed) and a
+:class:`~swarm.sim.network.Topology`. Node 0 is the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import LocalProtocolError
+from swarm.sim.network import Topology
+
+GBPS = 1e9 / 8
+QWEN3_8B_BF16_BYTES = 16.4e9
+
+
+@dataclass(frozen=True, slots=True)
+class LinkClass:
+    """A kind of rollout host: its access link in Gbit/s and its share of the population."""
+
+    name: str
+    up_gbps: float
+    down_gbps: float
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class ChurnEvent:
+    """At ``at`` seconds, ``count`` peers ``"crash"`` (silently), ``"leave"`` (saying so)
+    or ``"join"`` (new peers that start with nothing)."""
+
+    at: float
+    kind: str
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("crash", "leave", "join") or self.count < 0 or self.at < 0:
+            raise LocalProtocolError(f"bad churn event {self!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One simulated deployment. Bandwidths in Gbit/s, latencies in milliseconds."""
+
+    name: str = "custom"
+    peers: int = 64
+    regions: tuple[str, ...] = ("us-east", "us-west", "eu", "asia")
+    latency_ms: tuple[tuple[float, ...], ...] = (
+        (2, 35, 40, 90), (35, 2, 70, 60), (40, 70, 2, 110), (90, 60, 110, 2))
+    """One-way latency between regions (diagonal: inside a region)."""
+    wan_gbps: tuple[tuple[float, ...], ...] = (
+        (0, 1, 1, 0.5), (1, 0, 1, 0.5), (1, 1, 0, 0.5), (0.5, 0.5, 0.5, 0))
+    """Capacity of the shared link from region ``a`` to region ``b`` (diagonal unused)."""
+    classes: tuple[LinkClass, ...] = (
+        LinkClass("datacenter", 1.0, 1.0, 0.4),
+        LinkClass("cloud", 0.5, 0.5, 0.4),
+        LinkClass("edge", 0.2, 0.5, 0.2),
+    )
+    trainer_region: int = 0
+    trainer_up_gbps: float = 1.0
+    trainer_down_gbps: float = 1.0
+    model_bytes: float = QWEN3_8B_BF16_BYTES
+    """Dense bf16 state (the full-broadcast baseline sends this)."""
+    delta_ratio: float = 180.0
+    """Dense bytes / delta bytes, as measured for the codec."""
+    chunk_bytes: int = 1 << 20
+    rollout_s: float = 30.0
+    steps: int = 1
+    malicious: float = 0.0
+    """Fraction of peers that serve corrupt chunks."""
+    churn: tuple[ChurnEvent, ...] = ()
+    max_local: int = 32
+    """Same-region neighbours per peer."""
+    max_remote: int = 12
+    """Other-region neighbours per peer."""
+    upload_concurrency: int = 4
+    """Pieces each peer sends at once (its upload scheduler); the rest wait their turn."""
+    trainer_upload_concurrency: int = 8
+    """Pieces the trainer sends at once."""
+    rate_quantum: float = 0.002
+    """Fair shares are recomputed at most once per this many seconds (0: on every
+    change); in between, new flows wait, so results err on the slow side."""
+    seed: int = 0
+    chunk_payload: bool = True
+    """Carry real random chunk bytes (hashed with BLAKE3 on arrival)."""
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(self.model_bytes / self.delta_ratio)
+
+    def chunk_sizes(self) -> list[int]:
+        total = self.payload_bytes
+        full, rest = divmod(total, self.chunk_bytes)
+        return [self.chunk_bytes] * full + ([rest] if rest else [])
+
+    def with_(self, **changes: Any) -> Scenario:
+        return dataclasses.replace(self, **changes)
+
+    def check(self) -> None:
+        r = len(self.regions)
+        if self.peers < 1 or r < 1 or not 0 <= self.trainer_region < r:
+            raise LocalProtocolError("need at least one peer, one region, a trainer region")
+        for m, what in ((self.latency_ms, "latency_ms"), (self.wan_gbps, "wan_gbps")):
+            if len(m) != r or any(len(row) != r for row in m):
+                raise LocalProtocolError(f"{what} must be {r}x{r}")
+        if r > 1 and any(self.wan_gbps[a][b] <= 0 for a in range(r) for b in range(r)
+                         if a != b):
+            raise LocalProtocolError("every WAN link needs a positive capacity")
+        if not self.classes or any(c.up_gbps <= 0 or c.down_gbps <= 0 or c.weight < 0
+                                   for c in self.classes):
+            raise LocalProtocolError("link classes need positive capacities")
+        if not 0 <= self.malicious < 1 or self.delta_ratio < 1 or self.chunk_bytes < 1024:
+            raise LocalProtocolError("malicious in [0, 1), delta_ratio >= 1, chunks >= 1 KiB")
+
+    def build(self) -> Population:
+        """Assign regions and link classes (deterministic from the seed)."""
+        self.check()
+        rng = random.Random(self.seed)
+        joins = sum(e.count for e in self.churn if e.kind == "join")
+        total = self.peers + joins
+        regions = [self.trainer_region] + [i % len(self.regions) for i in range(total)]
+        weights = [c.weight for c in self.classes]
+        # stratified: the class mix of each region follows the weights
+        klass = [-1]
+        per_region: dict[int, list[int]] = {}
+        for i in range(total):
+            per_region.setdefault(i % len(self.regions), []).append(i + 1)
+        assigned: dict[int, int] = {}
+        for members in per_region.values():
+            counts = _apportion(weights, len(members))
+            kinds = [k for k, c in enumerate(counts) for _ in range(c)]
+            rng.shuffle(kinds)
+            for node, k in zip(members, kinds, strict=True):
+                assigned[node] = k
+        klass += [assigned[i + 1] for i in range(total)]
+        up = [self.trainer_up_gbps * GBPS] + [self.classes[k].up_gbps * GBPS
+                                              for k in klass[1:]]
+        down = [self.trainer_down_gbps * GBPS] + [self.classes[k].down_gbps * GBPS
+                                                  for k in klass[1:]]
+        honest = list(range(1, self.peers + 1))
+        n_bad = round(self.malicious * self.peers)
+        bad = set(rng.sample(honest, n_bad)) if n_bad else set()
+        topo = Topology(
+            up=tuple(up), down=tuple(down), region=tuple(regions),
+            wan=tuple(tuple(g * GBPS for g in row) for row in self.wan_gbps),
+            latency=tuple(tuple(ms / 1000 for ms in row) for row in self.latency_ms),
+        )
+        return Population(self, topo, tuple(klass), frozenset(bad), self.peers)
+
+
+def _apportion(weights: list[float], n: int) -> list[int]:
+    total = sum(weights) or 1.0
+    raw = [w / total * n for w in weights]
+    counts = [int(x) for x in raw]
+    order = sorted(range(len(raw)), key=lambda k: -(raw[k] - counts[k]))
+    for k in order[: n - sum(counts)]:
+        counts[k] += 1
+    return counts
+
+
+@dataclass(frozen=True, slots=True)
+class Population:
+    """The built scenario: node 0 is the trainer, 1..initial are present at the start,
+    later ids join by churn."""
+
+    scenario: Scenario
+    topo: Topology
+    klass: tuple[int, ...]
+    malicious: frozenset[int]
+    initial: int
+
+
+PRESETS: dict[str, Scenario] = {
+    "paper": Scenario(name="paper"),
+    "paper-2r": Scenario(
+        name="paper-2r", regions=("us", "eu"), latency_ms=((2, 40), (40, 2)),
+        wan_gbps=((0, 0.5), (0.5, 0)),
+    ),
+    "paper-3r": Scenario(
+        name="paper-3r", regions=("us", "eu", "asia"),
+        latency_ms=((2, 40, 90), (40, 2, 110), (90, 110, 2)),
+        wan_gbps=((0, 1, 0.5), (1, 0, 0.5), (0.5, 0.5, 0)),
+    ),
+    "homogeneous": Scenario(
+        name="homogeneous", classes=(LinkClass("cloud", 1.0, 1.0, 1.0),),
+    ),
+    "small": Scenario(name="small", peers=16, delta_ratio=1000.0),
+}
+
+
+def load_toml(path: Path, base: Scenario) -> Scenario:
+    """Override ``base`` with the keys of a TOML file (same names as the fields).
+
+    Classes are ``[[classes]]`` tables (name, up_gbps, down_gbps, weight); churn events
+    ``[[churn]]`` tables (at, kind, count).
+
+    :raises LocalProtocolError: unknown keys or bad values.
+    """
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise LocalProtocolError(f"{path}: {exc}") from exc
+    return from_mapping(doc, base)
+
+
+def from_mapping(doc: dict[str, Any], base: Scenario) -> Scenario:
+    names = {f.name for f in dataclasses.fields(Scenario)}
+    unknown = set(doc) - names
+    if unknown:
+        raise LocalProtocolError(f"unknown scenario keys: {sorted(unknown)}")
+    changes: dict[str, Any] = {}
+    try:
+        for key, value in doc.items():
+            if key == "classes":
+                changes[key] = tuple(LinkClass(**c) for c in value)
+            elif key == "churn":
+                changes[key] = tuple(ChurnEvent(**c) for c in value)
+            elif key in ("latency_ms", "wan_gbps"):
+                changes[key] = tuple(tuple(float(x) for x in row) for row in value)
+            elif key == "regions":
+                changes[key] = tuple(str(x) for x in value)
+            else:
+                changes[key] = value
+        sc = base.with_(**changes)
+    except TypeError as exc:
+        raise LocalProtocolError(f"bad scenario value: {exc}") from exc
+    sc.check()
+    return sc
