@@ -1,0 +1,174 @@
+"""The asyncio driver of the sans-IO chunk exchange over a :class:`~swarm.roles.mux.Mux`.
+
+One task runs the core: it feeds inbound messages and timers in, then sends what comes
+out. Each neighbour has its own sender task, so a slow link delays only itself: control
+messages go first, then the next queued piece (asked for only when the link can take it,
+so a cancel can still withdraw a piece not yet on the wire).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from swarm.net.transport import Message, PeerUnreachable, TransportClosed
+from swarm.protocol.exchange import (
+    Event,
+    Exchange,
+    ObjectComplete,
+    ObjectSpec,
+    PeerBanned,
+    PeerTimedOut,
+)
+from swarm.protocol.exchange_msgs import Message as ExchangeMessage
+from swarm.protocol.exchange_msgs import encode
+from swarm.roles.mux import Channel, Mux
+
+log = logging.getLogger(__name__)
+
+# Control messages queued for one neighbour before the core loop waits for its sender.
+MAX_CONTROL_BACKLOG = 4096
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.control: deque[ExchangeMessage] = deque()
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+class ExchangeDriver:
+    """Runs an :class:`Exchange` on real time and a real (or in-memory) transport."""
+
+    def __init__(self, exchange: Exchange, mux: Mux,
+                 on_event: Callable[[Event], None] | None = None) -> None:
+        self.exchange = exchange
+        self.mux = mux
+        self._on_event = on_event
+        self._loop = asyncio.get_running_loop()
+        self._kick = asyncio.Event()
+        self._links: dict[str, _Link] = {}
+        self._complete: dict[bytes, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def now(self) -> float:
+        return self._loop.time()
+
+    async def __aenter__(self) -> ExchangeDriver:
+        self._tasks = [
+            asyncio.create_task(self._core(), name="exchange core"),
+            asyncio.create_task(self._inbound(), name="exchange inbound"),
+        ]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        tasks = self._tasks + [lk.task for lk in self._links.values() if lk.task]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._links.clear()
+
+    # -- what the role calls -----------------------------------------------------------
+    def add_object(self, spec: ObjectSpec, data: Mapping[int, bytes] | None = None) -> None:
+        self._complete.setdefault(spec.obj, asyncio.Event())
+        self.exchange.add_object(spec, self.now(), data)
+        self._pump()
+
+    def connected(self, peer: str, *, region: str = "", rtt: float = 0.05,
+                  trainer: bool = False) -> None:
+        if peer in self._links:
+            return
+        link = _Link()
+        self._links[peer] = link
+        link.task = asyncio.create_task(self._sender(peer, link), name=f"send {peer[-6:]}")
+        self.exchange.connect(peer, self.now(), region=region, rtt=rtt, trainer=trainer)
+        self._pump()
+
+    def disconnected(self, peer: str) -> None:
+        link = self._links.pop(peer, None)
+        if link is not None and link.task is not None:
+            link.task.cancel()
+        self.exchange.disconnect(peer, self.now())
+        self._pump()
+
+    async def wait_complete(self, obj: bytes) -> None:
+        ev = self._complete.setdefault(obj, asyncio.Event())
+        if self.exchange.is_complete(obj):
+            return
+        await ev.wait()
+
+    # -- internals ---------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Move what the core produced to the senders and report events."""
+        for peer, msg in self.exchange.take_outgoing():
+            link = self._links.get(peer)
+            if link is not None and len(link.control) < MAX_CONTROL_BACKLOG:
+                link.control.append(msg)
+                link.wake.set()
+        for peer in self.exchange.take_upload_ready():
+            link = self._links.get(peer)
+            if link is not None:
+                link.wake.set()
+        for ev in self.exchange.take_events():
+            self._event(ev)
+        self._kick.set()
+
+    def _event(self, ev: Event) -> None:
+        if isinstance(ev, ObjectComplete):
+            self._complete.setdefault(ev.obj, asyncio.Event()).set()
+        elif isinstance(ev, PeerBanned):
+            log.warning("banned %s: %s", ev.peer, ev.reason)
+            self.mux.transport.penalize(ev.peer, ev.reason)
+        elif isinstance(ev, PeerTimedOut):
+            log.info("neighbour %s timed out", ev.peer)
+        if self._on_event is not None:
+            self._on_event(ev)
+
+    async def _inbound(self) -> None:
+        while True:
+            msg: Message = await self.mux.recv(Channel.EXCHANGE)
+            if msg.peer_id not in self._links:
+                continue
+            self.exchange.receive_bytes(msg.peer_id, msg.payload, self.now())
+            self._pump()
+
+    async def _core(self) -> None:
+        while True:
+            self._kick.clear()
+            deadline = self.exchange.next_timer()
+            if deadline is not None:
+                delay = max(0.0, deadline - self.now())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._kick.wait(), timeout=delay)
+            else:
+                await self._kick.wait()
+            timer = self.exchange.next_timer()
+            if timer is not None and timer <= self.now():
+                self.exchange.handle_timer(self.now())
+                self._pump()
+                self._kick.clear()
+
+    async def _sender(self, peer: str, link: _Link) -> None:
+        try:
+            while True:
+                await link.wake.wait()
+                link.wake.clear()
+                while True:
+                    if link.control:
+                        msg: ExchangeMessage | None = link.control.popleft()
+                    else:
+                        msg = self.exchange.next_upload(peer, self.now())
+                    if msg is None:
+                        break
+                    await self.mux.send(Channel.EXCHANGE, peer, encode(msg))
+                    self._pump()
+        except (PeerUnreachable, TransportClosed) as exc:
+            log.info("lost %s while sending: %s", peer, exc)
+            self._links.pop(peer, None)
+            self.exchange.disconnect(peer, self.now())
+            self._pump()

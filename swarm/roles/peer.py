@@ -1,0 +1,333 @@
+"""The rollout peer: follows versions through the swarm, verifies them, does leased work.
+
+It keeps a canonical copy of the inference state, patches it chunk by chunk as a version
+arrives (while the engine keeps generating with the previous one), checks the patched
+state's root against the trainer's signed manifest, and only then pushes the changed
+tensors into the engine, at a rollout boundary. Work comes as leases signed by the
+trainer; results go back signed by this peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.content.manifest import SignedManifest
+from swarm.delta.patch import Patcher
+from swarm.delta.state import KeyframeFiller, state_root_of
+from swarm.engines import RolloutEngine, Sampling
+from swarm.errors import DecodeError, IntegrityError, SwarmError
+from swarm.identity import Identity, public_key_from_peer_id
+from swarm.net import topics
+from swarm.net.transport import Subscription
+from swarm.protocol.exchange import ExchangeConfig, ObjectSpec
+from swarm.protocol.leases import (
+    Completion,
+    Lease,
+    PeerLeases,
+    Reason,
+    TaskResult,
+    decode_message,
+)
+from swarm.protocol.leases import Message as LeaseMessage
+from swarm.roles import sync
+from swarm.roles.common import Network, NodeBase
+from swarm.roles.mux import Channel
+
+log = logging.getLogger(__name__)
+
+StatusFn = Callable[[str, dict[str, object]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """Settings of a :class:`RolloutPeer`."""
+
+    run: str
+    trainer: str
+    """The trainer's peer id: only manifests and leases signed by its key are accepted."""
+    region: str = ""
+    want_tasks: int = 4
+    """Tasks asked for per claim."""
+    max_neighbours: int = 8
+    """Other peers kept connected for the exchange."""
+    discover_interval: float = 1.0
+    """Seconds between looks at the run's peer directory."""
+    claim_retry: float = 0.5
+    """Seconds to wait before claiming again after the trainer had no work."""
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
+
+
+class RolloutPeer(NodeBase):
+    """A volunteer node. An async context manager owning its tasks."""
+
+    def __init__(self, identity: Identity, net: Network, config: PeerConfig,
+                 state: dict[str, torch.Tensor], engine: RolloutEngine,
+                 status: StatusFn | None = None, seed: int = 0) -> None:
+        super().__init__(net, region=config.region, exchange_config=config.exchange, seed=seed)
+        self.identity = identity
+        self.config = config
+        self.trainer_key = public_key_from_peer_id(config.trainer)
+        self.state = state
+        self.engine = engine
+        self.version = -1
+        self.root: bytes | None = None
+        self.leases = PeerLeases(identity, self.trainer_key, config.run)
+        self._status = status or (lambda event, fields: None)
+        self._manifests: dict[int, SignedManifest] = {}
+        self._new_manifest = asyncio.Event()
+        self._engine_lock = asyncio.Lock()
+        self._version_changed = asyncio.Condition()
+        self._lease_inbox: asyncio.Queue[Lease] = asyncio.Queue(64)
+        self._tokens_per_s = 100.0
+        self.verified = 0
+        self.verify_failures = 0
+        self.tasks_done = 0
+
+    async def __aenter__(self) -> RolloutPeer:
+        await self.start()
+        sub = await self.net.subscribe(topics.manifests(self.config.run),
+                                       topics.manifest_validator(self.trainer_key))
+        self.spawn(self._manifest_feed(sub), "manifest feed")
+        self.spawn(self._sync_inbox(), "sync inbox")
+        self.spawn(self._follow(), "follow versions")
+        self.spawn(self._lease_inbox_loop(), "lease inbox")
+        self.spawn(self._work(), "work")
+        self.spawn(self._heartbeats(), "heartbeats")
+        self.spawn(self._discover(), "discover")
+        if self.config.trainer in self.net.connected_peers():
+            await self._ask_sync()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def on_peer(self, peer: str, connected: bool) -> None:
+        if connected:
+            self.driver.connected(peer, region=self.region_of(peer),
+                                  trainer=peer == self.config.trainer)
+            if peer == self.config.trainer and hasattr(self, "_tasks") and self._tasks:
+                self.spawn(self._ask_sync(), "sync request")
+        else:
+            self.driver.disconnected(peer)
+
+    # -- versions ----------------------------------------------------------------------
+    async def _ask_sync(self) -> None:
+        with contextlib.suppress(SwarmError):
+            await self.mux.send(Channel.SYNC, self.config.trainer,
+                                sync.encode(sync.SyncRequest(self.version)))
+
+    def _offer(self, data: bytes) -> None:
+        try:
+            sm = SignedManifest.decode(data, trusted_signer=self.trainer_key)
+        except SwarmError as exc:
+            log.warning("dropped a manifest: %s", exc)
+            return
+        if sm.manifest.run != self.config.run or sm.manifest.step <= self.version:
+            return
+        self._manifests.setdefault(sm.manifest.step, sm)
+        self._new_manifest.set()
+
+    async def _manifest_feed(self, sub: Subscription) -> None:
+        async with sub:
+            while True:
+                msg = await sub.get()
+                self._offer(msg.data)
+
+    async def _sync_inbox(self) -> None:
+        while True:
+            msg = await self.mux.recv(Channel.SYNC)
+            if msg.peer_id != self.config.trainer:
+                self.net.penalize(msg.peer_id, "sync reply from a non-trainer")
+                continue
+            try:
+                reply = sync.decode(msg.payload)
+            except DecodeError as exc:
+                self.net.penalize(msg.peer_id, f"bad sync message: {exc}")
+                continue
+            if isinstance(reply, sync.SyncReply):
+                for data in reply.manifests:
+                    self._offer(data)
+
+    def _next_manifest(self) -> SignedManifest | None:
+        if self.version < 0:
+            frames = [m for m in self._manifests.values() if m.manifest.kind == "keyframe"]
+            return max(frames, key=lambda m: m.manifest.step) if frames else None
+        return self._manifests.get(self.version + 1)
+
+    async def _follow(self) -> None:
+        while True:
+            sm = self._next_manifest()
+            if sm is None:
+                self._new_manifest.clear()
+                if self._next_manifest() is None:
+                    await self._new_manifest.wait()
+                continue
+            t0 = time.perf_counter()
+            spec = ObjectSpec.from_manifest(sm)
+            if spec.chunk_ids:
+                if sm.manifest.kind == "keyframe" and await self._local_matches(sm):
+                    self.driver.add_object(spec, self._pieces_of_local(sm))
+                else:
+                    self.driver.add_object(spec)
+                await self.driver.wait_complete(spec.obj)
+            fetched = time.perf_counter() - t0
+            try:
+                changed = await self._install(sm, spec)
+            except IntegrityError as exc:
+                self.verify_failures += 1
+                log.error("step %d failed verification: %s", sm.manifest.step, exc)
+                self._status("verify_failed", {"version": sm.manifest.step, "error": str(exc)})
+                del self._manifests[sm.manifest.step]
+                await self._ask_sync()
+                continue
+            self.verified += 1
+            for step in [s for s in self._manifests if s <= self.version]:
+                del self._manifests[step]
+            self._status("verified", {
+                "version": self.version, "kind": sm.manifest.kind,
+                "bytes": sm.manifest.total_bytes, "fetch_s": round(fetched, 3),
+                "sync_s": round(time.perf_counter() - t0, 3), "tensors": len(changed),
+                "bytes_up": self.driver.exchange.bytes_up,
+                "bytes_down": self.driver.exchange.bytes_down,
+            })
+
+    async def _local_matches(self, sm: SignedManifest) -> bool:
+        root = await asyncio.to_thread(state_root_of, self.state, sm.manifest.piece_size)
+        return root == sm.manifest.target_root
+
+    def _pieces_of_local(self, sm: SignedManifest) -> dict[int, bytes]:
+        from swarm.content.pieces import piece_slices
+        from swarm.delta.state import layout_of, piece_bytes
+
+        slices = piece_slices(layout_of(self.state), sm.manifest.piece_size)
+        return {i: piece_bytes(self.state, t, off, n) for i, (t, off, n) in enumerate(slices)}
+
+    async def _install(self, sm: SignedManifest, spec: ObjectSpec) -> frozenset[str]:
+        """Patch (or fill) the canonical state, verify the root, update the engine."""
+        ex = self.driver.exchange
+        chunks = []
+        for i in range(len(spec.chunk_ids)):
+            data = ex.chunk(spec.obj, i)
+            if data is None:
+                raise IntegrityError(f"chunk {i} vanished before install")
+            chunks.append(data)
+        if sm.manifest.kind == "keyframe":
+            filler = KeyframeFiller(self.state, sm)
+            for i, data in enumerate(chunks):
+                filler.put_piece(i, data)
+            root = await asyncio.to_thread(filler.finish)
+            changed = frozenset(self.state)
+        else:
+            patcher = Patcher(self.state, sm, current_root=self.root)
+            for cid, data in zip(spec.chunk_ids, chunks, strict=True):
+                patcher.apply(cid, data)
+            changed = await asyncio.to_thread(patcher.finish)
+            root = sm.manifest.target_root
+        async with self._engine_lock:
+            if changed:
+                await asyncio.to_thread(self.engine.apply,
+                                        {n: self.state[n] for n in changed})
+            self.version, self.root = sm.manifest.step, root
+        async with self._version_changed:
+            self._version_changed.notify_all()
+        return changed
+
+    async def wait_version(self, version: int) -> None:
+        """Return once this peer has installed and verified ``version`` (or a later one)."""
+        async with self._version_changed:
+            await self._version_changed.wait_for(lambda: self.version >= version)
+
+    # -- peers ---------------------------------------------------------------------------
+    async def _discover(self) -> None:
+        directory = getattr(self.net, "directory", None)
+        if directory is None:
+            return
+        while True:
+            await asyncio.sleep(self.config.discover_interval)
+            connected = self.net.connected_peers()
+            others = [p for p in connected if p != self.config.trainer]
+            if len(others) >= self.config.max_neighbours:
+                continue
+            entries: Mapping[str, topics.PeerMetadata] = directory()
+            for peer, meta in sorted(entries.items()):
+                if peer in connected or peer == self.net.peer_id or not meta.addrs:
+                    continue
+                with contextlib.suppress(SwarmError, OSError):
+                    await self.net.connect(meta.addrs[0])
+                    others.append(peer)
+                if len(others) >= self.config.max_neighbours:
+                    break
+
+    # -- leased work ---------------------------------------------------------------------
+    async def _lease_inbox_loop(self) -> None:
+        while True:
+            msg = await self.mux.recv(Channel.LEASE)
+            try:
+                decoded: LeaseMessage | bytes = decode_message(msg.payload)
+            except SwarmError:
+                decoded = msg.payload  # refused, logged and scored by receive()
+            verdict = self.leases.receive(decoded, time.time(), sender=msg.peer_id)
+            if verdict is Reason.ACCEPTED and isinstance(decoded, Lease):
+                await self._lease_inbox.put(decoded)
+
+    async def _send_lease_msg(self, data: bytes) -> None:
+        with contextlib.suppress(SwarmError):
+            await self.mux.send(Channel.LEASE, self.config.trainer, data)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            self.leases.tick(now)
+            for hb in self.leases.heartbeats(now):
+                await self._send_lease_msg(hb.encode())
+
+    async def _work(self) -> None:
+        while True:
+            if self.version < 0 or self.config.trainer not in self.net.connected_peers():
+                await asyncio.sleep(self.config.claim_retry)
+                continue
+            claim = self.leases.claim(time.time(), tokens_per_s=self._tokens_per_s,
+                                      version=self.version, want=self.config.want_tasks)
+            await self._send_lease_msg(claim.encode())
+            try:
+                lease = await asyncio.wait_for(self._lease_inbox.get(),
+                                               timeout=self.config.claim_retry * 4)
+            except TimeoutError:
+                continue
+            await self._run_lease(lease)
+
+    async def _run_lease(self, lease: Lease) -> None:
+        self._status("lease", {"lease": lease.lease_id.hex()[:12], "tasks": len(lease.tasks)})
+        results = []
+        tokens = 0
+        t0 = time.perf_counter()
+        async with self._engine_lock:
+            version = self.version
+            for task in lease.tasks:
+                sp = task.sampling
+                sampling = Sampling(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                                    top_p=sp.top_p, seed=sp.seed)
+                prompts = [list(task.prompt_tokens)] * task.group_size
+                outs = await asyncio.to_thread(self.engine.generate, prompts, sampling)
+                comps = tuple(Completion(tuple(o.token_ids), tuple(o.logprobs)) for o in outs)
+                tokens += sum(len(c.token_ids) for c in comps)
+                results.append(TaskResult(task.task_id, comps))
+        elapsed = max(1e-3, time.perf_counter() - t0)
+        self._tokens_per_s = 0.7 * self._tokens_per_s + 0.3 * tokens / elapsed
+        if lease.lease_id not in self.leases.held:
+            self._status("lease_lost", {"lease": lease.lease_id.hex()[:12]})
+            return
+        res = self.leases.result(lease.lease_id, version, results, time.time())
+        await self._send_lease_msg(res.encode())
+        self.tasks_done += len(results)
+        self._status("result", {"lease": lease.lease_id.hex()[:12], "tasks": len(results),
+                                "version": version, "tokens_per_s": round(tokens / elapsed, 1)})
+

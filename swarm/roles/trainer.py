@@ -1,0 +1,226 @@
+"""The trainer as the seed of the swarm: publishes versions, grants leases, collects results.
+
+Library use (any torch model; ``inference_state`` is the state peers run, e.g. bf16)::
+
+    async with TrainerNode(identity, net, TrainerConfig(run="my-run", data_dir=d)) as node:
+        await node.publish(inference_state)           # version 0: a keyframe
+        for step in range(1, n):
+            node.add_tasks(prompts, group_size=8)
+            batch = await node.collect(len(prompts))  # accepted, signed results
+            train(batch)
+            await node.publish(inference_state)       # version step: a sparse delta
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from swarm.content.manifest import SignedManifest
+from swarm.content.pieces import DEFAULT_PIECE_SIZE, piece_slices
+from swarm.delta.pipeline import EncoderConfig, encode_delta
+from swarm.delta.state import keyframe_manifest, layout_of, piece_bytes, state_root_of
+from swarm.errors import DecodeError, LocalProtocolError
+from swarm.identity import Identity
+from swarm.net import topics
+from swarm.protocol.exchange import ExchangeConfig, ObjectSpec
+from swarm.protocol.leases import (
+    Accepted,
+    LeaseConfig,
+    RolloutTask,
+    SamplingParams,
+    TrainerLeases,
+)
+from swarm.roles import sync
+from swarm.roles.common import Network, NodeBase
+from swarm.roles.mux import Channel
+from swarm.roles.trainer_state import TrainerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    """Settings of a :class:`TrainerNode`."""
+
+    run: str
+    """Run name: gossip topics and every signed message carry it."""
+    data_dir: Path
+    """Lease book (SQLite, WAL) lives here; a restarted trainer resumes from it."""
+    region: str = ""
+    piece_size: int = DEFAULT_PIECE_SIZE
+    """Piece size of state roots and keyframes."""
+    max_staleness: int = 1
+    """Results may use any version ``>= latest - max_staleness``."""
+    keep_versions: int = 64
+    """Delta objects kept for catch-up (older peers refetch the state pieces)."""
+    exchange: ExchangeConfig = field(default_factory=lambda: ExchangeConfig(
+        unchoke_all=True, super_seed=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What one :meth:`TrainerNode.publish` did."""
+
+    step: int
+    manifest: SignedManifest
+    payload_bytes: int
+    dense_bytes: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.dense_bytes / max(1, self.payload_bytes)
+
+
+class TrainerNode(NodeBase):
+    """Seeds versions and runs the lease book. An async context manager owning its tasks."""
+
+    def __init__(self, identity: Identity, net: Network, config: TrainerConfig) -> None:
+        super().__init__(net, region=config.region, exchange_config=config.exchange)
+        self.identity = identity
+        self.config = config
+        self.state_db = TrainerState(config.data_dir, run=config.run,
+                                     trainer_key=identity.public_key)
+        self.leases = TrainerLeases.restore(
+            identity, LeaseConfig(run=config.run, max_staleness=config.max_staleness),
+            self.state_db, now=time.time())
+        self.manifests: deque[SignedManifest] = deque(maxlen=config.keep_versions + 1)
+        self._state: dict[str, torch.Tensor] | None = None
+        self._root: bytes | None = None
+        self._accepted: asyncio.Queue[Accepted] = asyncio.Queue()
+        self._lease_wake = asyncio.Event()
+
+    async def __aenter__(self) -> TrainerNode:
+        await self.start()
+        self.spawn(self._lease_loop(), "leases")
+        self.spawn(self._lease_timer(), "lease timer")
+        self.spawn(self._sync_loop(), "sync")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+        self.state_db.close()
+
+    @property
+    def step(self) -> int:
+        return self.manifests[-1].manifest.step if self.manifests else -1
+
+    # -- publishing --------------------------------------------------------------------
+    async def publish(self, state: Mapping[str, torch.Tensor]) -> Published:
+        """Extract, encode, sign and seed the next version; returns when it is announced."""
+        t0 = time.perf_counter()
+        step = self.step + 1
+        snapshot = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        dense = layout_of(snapshot).nbytes
+        now_ms = int(time.time() * 1000)
+        if self._state is None:
+            sm = await asyncio.to_thread(keyframe_manifest, snapshot, self.identity,
+                                         self.config.run, step,
+                                         piece_size=self.config.piece_size, time_ms=now_ms)
+            slices = piece_slices(layout_of(snapshot), self.config.piece_size)
+            data = {i: piece_bytes(snapshot, t, off, n) for i, (t, off, n) in enumerate(slices)}
+            root = sm.manifest.target_root
+        else:
+            root = await asyncio.to_thread(state_root_of, snapshot, self.config.piece_size)
+            sm, chunks = await encode_delta(
+                self._state, snapshot, self.identity, self.config.run, step,
+                config=EncoderConfig(piece_size=self.config.piece_size),
+                base_root=self._root, target_root=root, time_ms=now_ms)
+            data = {i: c.data for i, c in enumerate(chunks)}
+        self._state, self._root = snapshot, root
+        self.manifests.append(sm)
+        if sm.manifest.chunks:
+            self.driver.add_object(ObjectSpec.from_manifest(sm), data)
+        self.leases.publish_version(step, time.time())
+        await self.net.publish(topics.manifests(self.config.run), sm.encode())
+        self._lease_wake.set()
+        payload = sm.manifest.total_bytes
+        log.info("published step %d: %s, %d chunks, %d bytes (%.1fx)", step, sm.manifest.kind,
+                 len(sm.manifest.chunks), payload, dense / max(1, payload))
+        return Published(step, sm, payload, dense, time.perf_counter() - t0)
+
+    # -- rollout work ------------------------------------------------------------------
+    def add_tasks(self, prompts: Sequence[tuple[str, Sequence[int]]], *, group_size: int,
+                  sampling: SamplingParams) -> list[RolloutTask]:
+        tasks = self.leases.add_tasks(prompts, group_size=group_size, sampling=sampling)
+        self._lease_wake.set()
+        return tasks
+
+    async def collect(self, n_tasks: int, timeout: float | None = None) -> list[Accepted]:
+        """Wait until results for ``n_tasks`` tasks were accepted; returns them.
+
+        :raises TimeoutError: ``timeout`` seconds passed first.
+        """
+        out: list[Accepted] = []
+        got = 0
+        async with asyncio.timeout(timeout):
+            while got < n_tasks:
+                acc = await self._accepted.get()
+                out.append(acc)
+                got += len(acc.results)
+        return out
+
+    async def _lease_loop(self) -> None:
+        while True:
+            msg = await self.mux.recv(Channel.LEASE)
+            replies = self.leases.handle(msg.payload, time.time(), sender=msg.peer_id)
+            for acc in self.leases.take_accepted():
+                self._accepted.put_nowait(acc)
+            for reply in replies:
+                try:
+                    await self.mux.send(Channel.LEASE, msg.peer_id, reply.encode())
+                except Exception as exc:  # the peer left; its lease will expire
+                    log.info("could not answer %s: %s", msg.peer_id, exc)
+            self._lease_wake.set()
+
+    async def _lease_timer(self) -> None:
+        while True:
+            self._lease_wake.clear()
+            deadline = self.leases.next_deadline()
+            delay = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.time()))
+            try:
+                async with asyncio.timeout(delay):
+                    await self._lease_wake.wait()
+            except TimeoutError:
+                pass
+            self.leases.tick(time.time())
+
+    # -- catch-up ----------------------------------------------------------------------
+    async def _sync_loop(self) -> None:
+        while True:
+            msg = await self.mux.recv(Channel.SYNC)
+            try:
+                req = sync.decode(msg.payload)
+            except DecodeError as exc:
+                self.net.penalize(msg.peer_id, f"bad sync message: {exc}")
+                continue
+            if not isinstance(req, sync.SyncRequest):
+                self.net.penalize(msg.peer_id, "sync: a trainer takes requests only")
+                continue
+            chain = self._chain_after(req.after_step)
+            try:
+                await self.mux.send(Channel.SYNC, msg.peer_id,
+                                    sync.encode(sync.SyncReply(tuple(m.encode() for m in chain))))
+            except Exception as exc:
+                log.info("could not answer sync of %s: %s", msg.peer_id, exc)
+
+    def _chain_after(self, after_step: int) -> list[SignedManifest]:
+        """Manifests a peer at ``after_step`` needs: deltas after it, or keyframe + deltas."""
+        kept = list(self.manifests)
+        steps = [m.manifest.step for m in kept]
+        if after_step >= 0 and after_step + 1 in steps:
+            chain = [m for m in kept if m.manifest.step > after_step]
+        else:
+            keyframes = [i for i, m in enumerate(kept) if m.manifest.kind == "keyframe"]
+            if not keyframes:
+                raise LocalProtocolError("no keyframe kept; cannot bring a newcomer up")
+            chain = kept[keyframes[-1]:]
+        return chain[:sync.MAX_MANIFESTS_PER_REPLY]

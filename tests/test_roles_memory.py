@@ -1,0 +1,82 @@
+"""Trainer and rollout peers over the in-memory network: versions verified, leases done."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import torch
+
+from swarm.delta.state import state_root_of
+from swarm.demo.model import TinyModelConfig, build_model, inference_state
+from swarm.engines.torch_engine import TorchEngine
+from swarm.identity import Identity
+from swarm.net.memory import LinkProfile, MemoryNetwork
+from swarm.protocol.leases import SamplingParams
+from swarm.roles.peer import PeerConfig, RolloutPeer
+from swarm.roles.trainer import TrainerConfig, TrainerNode
+
+CFG = TinyModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, intermediate_size=64, seed=3)
+PIECE = 1 << 14
+
+
+def _nudge(model: torch.nn.Module, step: int) -> None:
+    """A sparse, training-like change of the master weights."""
+    gen = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            mask = torch.rand(p.shape, generator=gen) < 0.02
+            p.add_(mask * torch.randn(p.shape, generator=gen) * 1e-2)
+
+
+async def test_trainer_and_three_peers_follow_versions_and_do_work(tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=1)
+    trainer_id = Identity.from_seed(b"T" * 32)
+    master = build_model(CFG)
+    events: list[tuple[str, str, dict[str, object]]] = []
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+        first = await trainer.publish(inference_state(master))
+        assert first.manifest.manifest.kind == "keyframe"
+        peers: list[RolloutPeer] = []
+        for i in range(3):
+            ident = Identity.from_seed(bytes([i + 1]) * 32)
+            pnet = await stack.enter_async_context(net.transport(ident))
+            await pnet.connect(tnet.listen_addresses[0])
+            for other in peers:
+                await pnet.connect(other.net.listen_addresses[0])
+            name = f"peer-{i}"
+            peers.append(await stack.enter_async_context(RolloutPeer(
+                ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id, want_tasks=2),
+                inference_state(build_model(CFG)),
+                TorchEngine(build_model(CFG, dtype=torch.bfloat16)),
+                status=lambda ev, f, n=name: events.append((n, ev, f)))))
+        for step in (1, 2):
+            _nudge(master, step)
+            pub = await trainer.publish(inference_state(master))
+            assert pub.manifest.manifest.kind == "delta" and pub.ratio > 1
+            tasks = trainer.add_tasks(
+                [(f"p{step}-{k}", [1, 2, 3]) for k in range(4)], group_size=2,
+                sampling=SamplingParams(temperature=1.0, max_new_tokens=4, seed=step))
+            accepted = await trainer.collect(len(tasks), timeout=60)
+            assert {r.task_id for a in accepted for r in a.results} == \
+                {t.task_id for t in tasks}
+        async with asyncio.timeout(30):
+            for p in peers:
+                await p.wait_version(2)
+        want = state_root_of(inference_state(master), PIECE)
+        for p in peers:
+            assert p.root == want and p.verify_failures == 0
+            assert state_root_of(p.state, PIECE) == want
+            engine = p.engine
+            assert isinstance(engine, TorchEngine)
+            assert state_root_of(dict(engine.model.state_dict()), PIECE) == want
+        assert sum(p.tasks_done for p in peers) == 8
+        # Claims made before tasks were queued are the only refusals.
+        assert set(trainer.leases.stats.refused) <= {"no_work"}
+    verified = [e for e in events if e[1] == "verified"]
+    assert len(verified) == 9  # 3 peers x (keyframe + 2 deltas)
