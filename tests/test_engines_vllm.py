@@ -6,7 +6,10 @@ venv (``make test-vllm``). Where vLLM is missing they fail, they are never skipp
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -162,3 +165,54 @@ def test_vllm_refuses_bad_updates_and_prompts(engines: tuple[TorchEngine, Any]) 
             vllm_engine.generate([prompt], GREEDY)
     with pytest.raises(EngineUpdateError):
         vllm_engine.tensor_digests(["model.nope"])
+
+
+MULTIPROCESS_SCRIPT = """
+import json, sys
+import torch
+from swarm.engines import Sampling
+from swarm.engines.torch_engine import TorchEngine, random_qwen3
+from swarm.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+model_dir = sys.argv[1]
+model = random_qwen3(init_std=0.5, seed=3)
+model.save_pretrained(model_dir)
+greedy = Sampling(max_tokens=12, temperature=0)
+prompts = [[1, 2, 3], [40, 41, 42, 43]]
+report = {}
+with TorchEngine(model) as te, VLLMEngine(VLLMEngineConfig(
+        model_dir=model_dir, max_model_len=64, in_process=False, kv_cache_bytes=32 << 20)) as ve:
+    report["digests_before"] = ve.tensor_digests() == te.tensor_digests()
+    report["tokens_before"] = [c.token_ids for c in ve.generate(prompts, greedy)] == [
+        c.token_ids for c in te.generate(prompts, greedy)]
+    gen = torch.Generator().manual_seed(9)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    dense = te.model.state_dict()[name].detach().clone()
+    dense += torch.randn(dense.shape, generator=gen)
+    idx = torch.arange(0, 64 * 64, 7)
+    vals = torch.randn(idx.numel(), generator=gen)
+    te.apply({name: dense})
+    flat = te.model.state_dict()["model.layers.1.mlp.up_proj.weight"].view(-1)
+    flat.index_copy_(0, idx, vals)
+    ve.apply({name: dense})
+    ve.apply_sparse({"model.layers.1.mlp.up_proj.weight": (idx, vals)})
+    report["digests_after"] = ve.tensor_digests() == te.tensor_digests()
+    report["tokens_after"] = [c.token_ids for c in ve.generate(prompts, greedy)] == [
+        c.token_ids for c in te.generate(prompts, greedy)]
+print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_multiprocess_vllm_takes_updates_as_bytes(tmp_path: Path) -> None:
+    """vLLM's engine core in a child process: update tensors travel as raw bytes."""
+    proc = subprocess.run(
+        [sys.executable, "-c", MULTIPROCESS_SCRIPT, str(tmp_path / "model")],
+        capture_output=True, text=True, timeout=280,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    report = json.loads(lines[-1].removeprefix("REPORT "))
+    assert report == {"digests_before": True, "tokens_before": True,
+                      "digests_after": True, "tokens_after": True}
