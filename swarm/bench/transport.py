@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cipher", default="aes-256-gcm",
                         choices=["aes-256-gcm", "chacha20-poly1305"],
                         help="data-plane AEAD (default aes-256-gcm)")
+    parser.add_argument("--crypto-threads", type=int, default=None,
+                        help="data-plane AEAD threads (default: DataPlaneConfig's, 2; "
+                             "0 = on the event loop)")
     parser.add_argument("--skip-libp2p", action="store_true",
                         help="measure only raw TCP and the data plane")
 
@@ -123,11 +127,14 @@ async def bench_raw(nbytes: int, connections: int) -> Result:
 
 
 # -- data plane ------------------------------------------------------------------------
-async def bench_dataplane(nbytes: int, connections: int, cipher: str) -> Result:
+async def bench_dataplane(nbytes: int, connections: int, cipher: str,
+                          crypto_threads: int | None = None) -> Result:
     from swarm.identity import Identity
     from swarm.net.dataplane import DataPlaneConfig, DirectTransport
 
     cfg = DataPlaneConfig(ciphers=(cipher,))
+    if crypto_threads is not None:
+        cfg = dataclasses.replace(cfg, crypto_threads=crypto_threads)
     counts = _split(nbytes, connections)
     total = sum(counts)
     payload = bytes(MESSAGE)
@@ -148,7 +155,8 @@ async def bench_dataplane(nbytes: int, connections: int, cipher: str) -> Result:
             if got != total * MESSAGE:
                 raise RuntimeError("data plane lost bytes")
 
-        return await _measure(f"data plane ({cipher})", connections, total * MESSAGE, body)
+        label = f"data plane ({cipher}, {cfg.crypto_threads} thr)"
+        return await _measure(label, connections, total * MESSAGE, body)
 
 
 # -- py-libp2p streams -----------------------------------------------------------------
@@ -203,9 +211,9 @@ async def bench_libp2p(nbytes: int, connections: int) -> Result:
 
 
 def _print(results: list[Result]) -> None:
-    print(f"{'mode':34} {'conns':>5} {'MiB':>6} {'MB/s':>9} {'CPU-s/GB':>9}")
+    print(f"{'mode':40} {'conns':>5} {'MiB':>6} {'MB/s':>9} {'CPU-s/GB':>9}")
     for r in results:
-        print(f"{r.mode:34} {r.connections:>5} {r.nbytes >> 20:>6} {r.mb_per_s:>9.1f} "
+        print(f"{r.mode:40} {r.connections:>5} {r.nbytes >> 20:>6} {r.mb_per_s:>9.1f} "
               f"{r.cpu_per_gb:>9.2f}")
     by = {(r.mode.split(" (")[0], r.connections): r for r in results}
     for n in sorted({r.connections for r in results}):
@@ -229,7 +237,7 @@ async def _main(args: argparse.Namespace) -> list[Result]:
     results = []
     for n in [int(x) for x in args.connections.split(",") if x.strip()]:
         results.append(await bench_raw(size, n))
-        results.append(await bench_dataplane(size, n, args.cipher))
+        results.append(await bench_dataplane(size, n, args.cipher, args.crypto_threads))
         if not args.skip_libp2p:
             results.append(await bench_libp2p(lp_size, n))
     return results

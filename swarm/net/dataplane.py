@@ -22,7 +22,9 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -82,11 +84,24 @@ class DataPlaneConfig:
     #: Bytes queued in asyncio's write buffer before ``send`` waits (a frame is written in
     #: 1 MiB slices, so a small value costs nothing in throughput).
     write_high_water: int = 1 << 20
+    #: Threads that seal and open large frames (the AEAD releases the GIL, so this
+    #: overlaps crypto with socket I/O); 0 does all crypto on the event loop.
+    crypto_threads: int = 2
+    #: Frames at least this large go to the crypto threads.
+    offload_bytes: int = 256 << 10
+    #: Inbound frames decrypting at once per connection before reading pauses.
+    crypto_inflight: int = 4
     #: Inbound messages queued before reading pauses (standalone :class:`DirectTransport`).
     inbox_depth: int = 256
     #: Peer events queued (standalone :class:`DirectTransport`).
     event_depth: int = 1024
     scores: ScoreConfig = field(default_factory=ScoreConfig)
+
+
+def _retire(task: asyncio.Task[None]) -> None:
+    """Mark a send task's outcome as seen (its caller may have been cancelled)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _sealed_frame(session: Session, payload: bytes | memoryview) -> bytearray:
@@ -122,7 +137,14 @@ class _Connection(asyncio.BufferedProtocol):
         self.reason = ""
         self._write_ok = asyncio.Event()
         self._write_ok.set()
-        self._send_lock = asyncio.Lock()
+        # Outbound frames: nonces and write turns are handed out in the same order.
+        self._next_ticket = 0
+        self._turn = 0
+        self._turn_changed = asyncio.Event()
+        self._inflight: set[asyncio.Task[None]] = set()
+        # Inbound frames being decrypted (futures) or decrypted (bytes), in order.
+        self._decrypting: deque[asyncio.Future[bytes] | bytes] = deque()
+        self._inbox_blocked = False
         self._reading_paused = False
         self._last_progress = self.loop.time()
         self._timer: asyncio.TimerHandle | None = None
@@ -169,6 +191,11 @@ class _Connection(asyncio.BufferedProtocol):
             self._timer = None
         self.closing = True
         self._write_ok.set()
+        self._wake_writers()
+        for item in self._decrypting:
+            if isinstance(item, asyncio.Future) and item.done() and not item.cancelled():
+                item.exception()
+        self._decrypting.clear()
         reason = self.reason or (f"connection lost: {exc}" if exc else "closed by peer")
         if not self.ready.done():
             self.ready.set_exception(PeerUnreachable(f"data-plane handshake failed: {reason}"))
@@ -185,7 +212,8 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- frames ----------------------------------------------------------------------
     def _process(self) -> None:
-        while not self.closing and not self._reading_paused:
+        limit = self.plane.config.crypto_inflight
+        while not self.closing and not self._inbox_blocked and len(self._decrypting) < limit:
             item = self.reader.next_frame_with_header()
             if item is None:
                 break
@@ -199,30 +227,75 @@ class _Connection(asyncio.BufferedProtocol):
                         raise HandshakeError("the server's first frame was not a welcome")
                     self._admit_or_refuse()
                 else:
-                    payload = self.session.open(header, body)
-                    assert self.peer_id is not None
-                    if not self.plane.inbox.offer(Message(self.peer_id, payload)):
-                        self._pause_reading()
+                    self._decrypt(self.session, header, body)
             except PeerIdMismatch as exc:
                 self.fail(str(exc), penalize=False, error=exc)
             except RemoteProtocolError as exc:
                 self.fail(f"protocol violation: {exc}")
+        self._flush()
+        self._update_reading()
         if not self.closing and self.reader.mid_frame and self._timer is None:
             self._timer = self.loop.call_later(self.plane.config.stall_timeout,
                                                self._check_stall)
 
-    def _pause_reading(self) -> None:
-        if self.transport is not None and not self._reading_paused:
+    def _decrypt(self, session: Session, header: bytes, body: bytearray) -> None:
+        nonce = session.reserve_recv()
+        pool = self.plane._pool
+        if pool is not None and len(body) >= self.plane.config.offload_bytes:
+            fut = self.loop.run_in_executor(pool, session.open_with, nonce, header, body)
+            fut.add_done_callback(self._on_decrypted)
+            self._decrypting.append(fut)
+        elif self._decrypting:
+            self._decrypting.append(session.open_with(nonce, header, body))
+        else:
+            self._deliver(session.open_with(nonce, header, body))
+
+    def _on_decrypted(self, fut: asyncio.Future[bytes]) -> None:
+        if self.closing:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the connection is gone
+            return
+        self._process()
+
+    def _flush(self) -> None:
+        """Deliver decrypted frames in order, up to the first still being decrypted."""
+        while self._decrypting and not self._inbox_blocked and not self.closing:
+            head = self._decrypting[0]
+            if isinstance(head, asyncio.Future) and not head.done():
+                return
+            self._decrypting.popleft()
+            if isinstance(head, bytes):
+                self._deliver(head)
+                continue
+            try:
+                payload = head.result()
+            except DecodeError as exc:
+                self.fail(f"protocol violation: {exc}")
+                return
+            self._deliver(payload)
+
+    def _deliver(self, payload: bytes) -> None:
+        assert self.peer_id is not None
+        if not self.plane.inbox.offer(Message(self.peer_id, payload)):
+            self._inbox_blocked = True
+            self.plane.inbox.when_space(self._on_space)
+
+    def _on_space(self) -> None:
+        self._inbox_blocked = False
+        if not self.closing:
+            self._process()
+
+    def _update_reading(self) -> None:
+        """Pause reading while the inbox is full or enough frames are being decrypted."""
+        if self.transport is None or self.closing:
+            return
+        blocked = self._inbox_blocked or \
+            len(self._decrypting) >= self.plane.config.crypto_inflight
+        if blocked and not self._reading_paused:
             self._reading_paused = True
             self.transport.pause_reading()
-            self.plane.inbox.when_space(self._resume_reading)
-
-    def _resume_reading(self) -> None:
-        if not self._reading_paused or self.closing or self.transport is None:
-            return
-        self._reading_paused = False
-        self._process()
-        if not self._reading_paused and not self.closing:
+        elif not blocked and self._reading_paused:
+            self._reading_paused = False
             self.transport.resume_reading()
 
     def _handshake(self, body: bytearray) -> None:
@@ -306,29 +379,71 @@ class _Connection(asyncio.BufferedProtocol):
     def abort(self) -> None:
         self.closing = True
         self._write_ok.set()
+        self._wake_writers()
         if self.transport is not None:
             self.transport.abort()
 
     async def send(self, payload: bytes | memoryview) -> None:
-        async with self._send_lock:  # frames are sealed and written in nonce order
-            while not self._write_ok.is_set():
-                await self._write_ok.wait()
-            if self.closing or self.session is None or self.transport is None:
-                raise PeerUnreachable(f"connection to {self.peer_id} is closed")
-            out = _sealed_frame(self.session, payload)
-            if len(out) <= _WRITE_SLICE:
-                self.transport.write(out)
-                return
+        """Seal and write one frame; waits while the socket's buffer is full.
+
+        Cancelling the caller is safe: once a frame has its nonce it is completed by a
+        task the connection owns (and awaits or cancels on close).
+        """
+        while not self._write_ok.is_set() and not self.closing:
+            await self._write_ok.wait()
+        if self.closing or self.session is None or self.transport is None:
+            raise PeerUnreachable(f"connection to {self.peer_id} is closed")
+        task = self.loop.create_task(self._seal_and_write(self.session, payload))
+        self._inflight.add(task)
+        task.add_done_callback(_retire)
+        task.add_done_callback(self._inflight.discard)
+        await asyncio.shield(task)
+
+    async def _seal_and_write(self, session: Session, payload: bytes | memoryview) -> None:
+        nonce = session.reserve_send()  # tasks start in creation order: nonces in order
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        try:
+            size = len(payload) + TAG_LEN
+            header = encode_header(size)
+            out = bytearray(4 + size)
+            out[:4] = header
+            body = memoryview(out)[4:]
+            pool = self.plane._pool
+            if pool is not None and len(payload) >= self.plane.config.offload_bytes:
+                await self.loop.run_in_executor(pool, session.seal_with, nonce, header,
+                                                payload, body)
+            else:
+                session.seal_with(nonce, header, payload, body)
+            while self._turn != ticket:
+                if self.closing:
+                    raise PeerUnreachable(f"connection to {self.peer_id} closed")
+                await self._turn_changed.wait()
             # Large frames go out in slices, waiting for the socket between them: asyncio
             # copies whatever a write cannot send at once into its buffer and compacts
             # that buffer on every send, so small backlogs are much cheaper than big ones.
             view = memoryview(out)
             for start in range(0, len(out), _WRITE_SLICE):
-                if not self._write_ok.is_set():
+                while not self._write_ok.is_set() and not self.closing:
                     await self._write_ok.wait()
-                if self.closing:
+                if self.closing or self.transport is None:
                     raise PeerUnreachable(f"connection to {self.peer_id} closed mid-frame")
                 self.transport.write(view[start:start + _WRITE_SLICE])
+        except BaseException:
+            if not self.closing:
+                self.fail("a frame could not be completed", penalize=False)
+            raise
+        finally:
+            if self._turn == ticket:
+                self._advance_turn()
+
+    def _advance_turn(self) -> None:
+        self._turn += 1
+        self._wake_writers()
+
+    def _wake_writers(self) -> None:
+        event, self._turn_changed = self._turn_changed, asyncio.Event()
+        event.set()
 
     @property
     def write_backlog(self) -> int:
@@ -354,8 +469,12 @@ class DataPlane:
         self._peers: dict[str, list[_Connection]] = {}
         self._closed = False
         self._address: tuple[str, int] | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     async def __aenter__(self) -> Self:
+        if self.config.crypto_threads > 0:
+            self._pool = ThreadPoolExecutor(self.config.crypto_threads,
+                                            thread_name_prefix="swarm-aead")
         if self.config.listen:
             loop = asyncio.get_running_loop()
             self._server = await loop.create_server(
@@ -382,6 +501,12 @@ class DataPlane:
         for conn in conns:
             with contextlib.suppress(asyncio.CancelledError):
                 await conn.lost
+            for task in list(conn._inflight):
+                with contextlib.suppress(BaseException):
+                    await task
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     @property
     def address(self) -> tuple[str, int] | None:

@@ -82,29 +82,57 @@ class Session:
     def overhead() -> int:
         return TAG_LEN
 
-    def seal_into(self, header: bytes, plaintext: bytes | memoryview, out: memoryview) -> None:
-        """Encrypt into ``out`` (exactly ``len(plaintext) + 16`` bytes), header as AAD."""
+    def reserve_send(self) -> bytes:
+        """The nonce of the next outbound frame (frames must be sent in this order)."""
         if self._send_ctr >= _MAX_COUNTER:
             raise LocalProtocolError("session nonce space exhausted; reconnect")
         nonce = _NONCE.pack(self._send_ctr)
         self._send_ctr += 1
+        return nonce
+
+    def reserve_recv(self) -> bytes:
+        """The nonce the next inbound frame must carry.
+
+        :raises DecodeError: the peer exhausted the nonce space.
+        """
+        if self._recv_ctr >= _MAX_COUNTER:
+            raise DecodeError("peer exhausted the nonce space")
+        nonce = _NONCE.pack(self._recv_ctr)
+        self._recv_ctr += 1
+        return nonce
+
+    def seal_with(self, nonce: bytes, header: bytes, plaintext: bytes | memoryview,
+                  out: memoryview) -> None:
+        """Encrypt into ``out`` (``len(plaintext) + 16`` bytes) under a reserved nonce.
+
+        Thread-safe: callers may seal several frames in parallel (the AEAD releases the
+        GIL), as long as they send them in nonce order.
+        """
         self._send.encrypt_into(nonce, plaintext, header, out)
 
-    def open(self, header: bytes, ciphertext: bytes | bytearray | memoryview) -> bytes:
-        """Decrypt one frame body.
+    def open_with(self, nonce: bytes, header: bytes,
+                  ciphertext: bytes | bytearray | memoryview) -> bytes:
+        """Decrypt one frame body under a reserved nonce (thread-safe).
 
         :raises DecodeError: shorter than a tag, or the tag does not verify.
         """
         if len(ciphertext) < TAG_LEN:
             raise DecodeError("encrypted frame shorter than its tag")
-        if self._recv_ctr >= _MAX_COUNTER:
-            raise DecodeError("peer exhausted the nonce space")
-        nonce = _NONCE.pack(self._recv_ctr)
-        self._recv_ctr += 1
         try:
             return self._recv.decrypt(nonce, ciphertext, header)
         except Exception as exc:  # cryptography raises InvalidTag
             raise DecodeError("frame failed authentication") from exc
+
+    def seal_into(self, header: bytes, plaintext: bytes | memoryview, out: memoryview) -> None:
+        """Encrypt the next frame into ``out`` (exactly ``len(plaintext) + 16`` bytes)."""
+        self.seal_with(self.reserve_send(), header, plaintext, out)
+
+    def open(self, header: bytes, ciphertext: bytes | bytearray | memoryview) -> bytes:
+        """Decrypt the next frame body.
+
+        :raises DecodeError: shorter than a tag, or the tag does not verify.
+        """
+        return self.open_with(self.reserve_recv(), header, ciphertext)
 
 
 def _decode(data: bytes | bytearray, tag: str, keys: frozenset[str]) -> dict[str, object]:
