@@ -584,10 +584,14 @@ def test_restore_keeps_leases_meaningful_and_counts_once() -> None:
 
 
 def check_invariants(t: TrainerLeases, n_tasks: int) -> None:
+    from collections import Counter
+
     pending = [tid for lease in t.live_leases() for tid in lease.task_ids
                if tid not in t.done]
     queued = sorted(t._queue)  # white-box: the queue itself
-    assert len(pending) == len(set(pending)), "a task is live in two leases"
+    assert max(Counter(pending).values(), default=0) <= 2, "a task in 3 leases (2 backups)"
+    assert {k: len(v) for k, v in t._holders.items()} == dict(Counter(pending))
+    pending = sorted(set(pending))
     assert not set(queued) & set(pending), "a task is both queued and leased"
     assert not (set(queued) | set(pending)) & t.done, "a counted task is still outstanding"
     assert len(queued) == len(set(queued))
@@ -652,3 +656,52 @@ def test_random_operation_sequences_keep_every_task_exactly_once(seed: int) -> N
     assert set(counted) == t.done
     assert store.load().done == t.done
     print(f"seed={seed} counted={len(counted)} refused={dict(t.stats.refused)}")
+
+
+def test_overdue_lease_gets_a_backup_and_the_first_result_wins() -> None:
+    store = MemoryLeaseStore()
+    t = make_trainer(n_tasks=4, store=store)
+    pa, pb, pm = peer(ALICE), peer(BOB), peer(MALLORY)
+    la = get_lease(t, pa, ALICE, 0.0, tps=16.0)  # 4 tasks of 40 tokens: 10 s expected
+    assert len(la.tasks) == 4
+    [none] = t.handle(pb.claim(5.0, tokens_per_s=16.0, version=0, want=4).encode(), 5.0,
+                      sender=BOB.peer_id)
+    assert isinstance(none, Verdict) and none.reason is Reason.NO_WORK  # not overdue yet
+    lb = get_lease(t, pb, BOB, 16.0, tps=16.0)  # 16 s > 1.5 * 10 s: a backup
+    assert lb.task_ids == la.task_ids and t.stats.tasks_backup == 4
+    [none] = t.handle(pm.claim(16.5, tokens_per_s=16.0, version=0, want=4).encode(), 16.5,
+                      sender=MALLORY.peer_id)
+    assert isinstance(none, Verdict) and none.reason is Reason.NO_WORK  # one backup per task
+    assert t.outstanding == 4
+    # A restart keeps both leases and who holds what.
+    t = TrainerLeases.restore(TRAINER, t.config, store, now=17.0)
+    check_invariants(t, 4)
+    rows = completions(la)
+    assert submit(t, pb, BOB, lb, 18.0, results=rows[:2]).reason is Reason.ACCEPTED
+    v = submit(t, pa, ALICE, la, 19.0)
+    assert v.reason is Reason.SUPERSEDED and set(v.accepted) == set(la.task_ids[:2])
+    assert pa.receive(v, 19.0) is Reason.SUPERSEDED
+    assert pa.held[la.lease_id].counted == set(la.task_ids[:2])
+    assert submit(t, pa, ALICE, la, 19.5, results=rows[2:]).reason is Reason.ACCEPTED
+    assert t.lease_state(la.lease_id) is LeaseState.COMPLETED
+    assert t.lease_state(lb.lease_id) is LeaseState.SUPERSEDED
+    v = submit(t, pb, BOB, lb, 20.0, results=rows[2:])
+    assert v.reason is Reason.SUPERSEDED
+    assert pb.receive(v, 20.0) is Reason.SUPERSEDED and lb.lease_id not in pb.held
+    assert t.done == frozenset(la.task_ids) and t.outstanding == 0
+    assert t.scores.score(ALICE.peer_id) >= 0 and t.scores.score(BOB.peer_id) >= 0
+    assert store.load().done == t.done
+    check_invariants(t, 4)
+
+
+def test_expiry_of_a_backed_up_lease_does_not_requeue_the_backed_tasks() -> None:
+    t = make_trainer(n_tasks=2)
+    pa, pb = peer(ALICE), peer(BOB)
+    la = get_lease(t, pa, ALICE, 0.0, tps=8.0)  # 2 tasks, 10 s expected
+    lb = get_lease(t, pb, BOB, 16.0, tps=8.0)
+    assert lb.task_ids == la.task_ids
+    [ev] = t.tick(la.expires_ms / 1000 + 10)
+    assert ev.lease_id == la.lease_id and ev.requeued == ()  # Bob still holds them
+    assert t.queued == 0 and t.outstanding == 2
+    assert submit(t, pb, BOB, lb, la.expires_ms / 1000 + 11).reason is Reason.ACCEPTED
+    assert t.outstanding == 0

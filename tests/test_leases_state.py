@@ -189,3 +189,36 @@ def test_tampered_rows_are_refused_on_load(tmp_path: Path) -> None:
     with TrainerState(tmp_path, run=RUN, trainer_key=TRAINER.public_key) as db, \
             pytest.raises(DecodeError):
         db.load()
+
+
+def test_backup_leases_persist_and_resolve(tmp_path: Path) -> None:
+    mem = MemoryLeaseStore()
+    with TrainerState(tmp_path, run=RUN, trainer_key=TRAINER.public_key) as db:
+        trainer = TrainerLeases(TRAINER, CFG, store=Tee(mem, db))
+        trainer.publish_version(0, 0.0)
+        trainer.add_tasks([(f"q{i}", [i]) for i in range(4)])
+        pa = PeerLeases(PEERS[0], TRAINER.public_key, RUN)
+        pb = PeerLeases(PEERS[1], TRAINER.public_key, RUN)
+        leases = []
+        for now, ident, peer in ((0.0, PEERS[0], pa), (20.0, PEERS[1], pb)):
+            [lease] = trainer.handle(peer.claim(now, tokens_per_s=16.0, version=0,
+                                                want=4).encode(), now, sender=ident.peer_id)
+            assert isinstance(lease, Lease) and peer.receive(lease, now) is Reason.ACCEPTED
+            leases.append(lease)
+        la, lb = leases
+        assert lb.task_ids == la.task_ids and trainer.stats.tasks_backup == 4
+        rows = results_for(la)
+        res = pb.result(lb.lease_id, 0, rows[:1], 21.0)
+        trainer.handle(res.encode(), 21.0, sender=PEERS[1].peer_id)
+        assert db.load() == mem.load()
+        again = TrainerLeases.restore(TRAINER, CFG, Tee(mem, db), now=22.0)
+        [v] = again.handle(pa.result(la.lease_id, 0, rows, 23.0).encode(), 23.0,
+                           sender=PEERS[0].peer_id)
+        assert isinstance(v, Verdict) and v.reason is Reason.SUPERSEDED
+        [v] = again.handle(pa.result(la.lease_id, 0, rows[1:], 24.0).encode(), 24.0,
+                           sender=PEERS[0].peer_id)
+        assert isinstance(v, Verdict) and v.reason is Reason.ACCEPTED
+        assert again.lease_state(lb.lease_id) is LeaseState.SUPERSEDED
+        assert again.outstanding == 0
+        assert db.load() == mem.load()
+        assert db.accepted_task_ids() == sorted(la.task_ids)

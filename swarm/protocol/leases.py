@@ -87,6 +87,8 @@ class Reason(enum.StrEnum):
     NOT_HOLDER = "not_holder"
     DUPLICATE = "duplicate"
     """Tasks already counted, or the lease already completed."""
+    SUPERSEDED = "superseded"
+    """A backup lease delivered these tasks first (no fault of the holder)."""
     EXPIRED = "expired"
     STALE_VERSION = "stale_version"
     UNKNOWN_VERSION = "unknown_version"
@@ -103,6 +105,8 @@ class LeaseState(enum.StrEnum):
     EXPIRED = "expired"
     RELEASED = "released"
     """Closed early by the trainer (its results fell out of the staleness bound)."""
+    SUPERSEDED = "superseded"
+    """Every task it still had was delivered first through a backup lease."""
 
 
 PENALTIES: Mapping[Reason, float] = {
@@ -771,12 +775,13 @@ class AddTasks:
 
 @dataclass(frozen=True, slots=True)
 class IssueLease:
-    """A lease was granted: its tasks leave the queue."""
+    """A lease was granted: its tasks leave the queue (a backup's are already leased)."""
 
     lease: Lease
     expires: float
     timeout_s: float
     deadline: float
+    backup: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -953,6 +958,10 @@ class LeaseConfig:
     """Peers whose score falls to this are refused work."""
     max_queue: int = 1 << 20
     """Most tasks waiting or leased at once; :meth:`TrainerLeases.add_tasks` refuses more."""
+    backup_after: float | None = 1.5
+    """When the queue is empty, tasks of a lease this many times past its expected duration
+    go to idle peers as backups; the first result counts, the other is ``SUPERSEDED``.
+    ``None``: stragglers are only re-issued when their lease expires."""
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
 
     def __post_init__(self) -> None:
@@ -969,11 +978,13 @@ class LeaseStats:
     tasks_added: int = 0
     tasks_issued: int = 0
     tasks_reissued: int = 0
+    tasks_backup: int = 0
     tasks_completed: int = 0
     leases_issued: int = 0
     leases_completed: int = 0
     leases_expired: int = 0
     leases_released: int = 0
+    leases_superseded: int = 0
     renewals: int = 0
     results_accepted: int = 0
     refused: Counter[str] = field(default_factory=Counter)
@@ -981,9 +992,11 @@ class LeaseStats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "tasks_added": self.tasks_added, "tasks_issued": self.tasks_issued,
-            "tasks_reissued": self.tasks_reissued, "tasks_completed": self.tasks_completed,
+            "tasks_reissued": self.tasks_reissued, "tasks_backup": self.tasks_backup,
+            "tasks_completed": self.tasks_completed,
             "leases_issued": self.leases_issued, "leases_completed": self.leases_completed,
             "leases_expired": self.leases_expired, "leases_released": self.leases_released,
+            "leases_superseded": self.leases_superseded,
             "renewals": self.renewals, "results_accepted": self.results_accepted,
             "refused": dict(sorted(self.refused.items())),
         }
@@ -1018,6 +1031,8 @@ class _LeaseRec:
     accepted: set[int]
     last_progress: float
     speed: float = 0.0
+    expected_s: float = 0.0
+    superseded: set[int] = field(default_factory=set)
     last_heartbeat_ms: int = -1
 
 
@@ -1058,6 +1073,8 @@ class TrainerLeases:
         self._done: set[int] = set(snap.done)
         self._closed: dict[bytes, LeaseState] = dict(snap.closed)
         self._leases: dict[bytes, _LeaseRec] = {}
+        self._holders: dict[int, set[bytes]] = {}
+        """Live leases holding each uncounted leased task: one, or two with a backup."""
         self._next_task = snap.next_task_id
         self._lease_seq = snap.lease_seq
         self._speeds = SpeedTable(config.scheduling)
@@ -1069,16 +1086,20 @@ class TrainerLeases:
         self.stats = LeaseStats()
         ops: list[StateOp] = []
         for act in snap.active:
-            pending = set(act.lease.task_ids) - act.accepted
+            pending = set(act.lease.task_ids) - act.accepted - self._done
             for t in act.lease.tasks:
                 self._tasks.setdefault(t.task_id, t)
+            for tid in pending:
+                self._holders.setdefault(tid, set()).add(act.lease.lease_id)
             expires = act.expires
             if snapshot is not None and expires < now + config.restart_grace_s:
                 expires = now + config.restart_grace_s
                 ops.append(RenewLease(act.lease.lease_id, expires))
             self._leases[act.lease.lease_id] = _LeaseRec(
                 act.lease, expires, act.timeout_s, max(act.deadline, expires), pending,
-                set(act.accepted), now)
+                set(act.accepted), now,
+                expected_s=act.timeout_s / config.scheduling.timeout_slack,
+                superseded=(set(act.lease.task_ids) & self._done) - act.accepted)
         if ops:
             self._store.commit(ops)
 
@@ -1117,7 +1138,7 @@ class TrainerLeases:
     @property
     def outstanding(self) -> int:
         """Tasks not yet counted: queued or in a live lease."""
-        return len(self._queue) + sum(len(r.pending) for r in self._leases.values())
+        return len(self._queue) + len(self._holders)
 
     @property
     def done(self) -> frozenset[int]:
@@ -1221,11 +1242,9 @@ class TrainerLeases:
             blamed = sender if ref.reason is Reason.SENDER_MISMATCH and sender else peer
             self._count_refusal(ref.reason, blamed, subject, ref.detail, ops)
             self._store.commit(ops)
-            self._apply_pending_closes(ops)
             return [self._verdict(subject, lease_id, ref.reason, now, detail=ref.detail,
                                   accepted=ref.counted)]
         self._store.commit(ops)
-        self._apply_pending_closes(ops)
         return [reply]
 
     def tick(self, now: float) -> list[LeaseExpired]:
@@ -1238,7 +1257,6 @@ class TrainerLeases:
                 events.append(LeaseExpired(lid, rec.lease.holder_peer_id, requeued))
         if ops:
             self._store.commit(ops)
-            self._apply_pending_closes(ops)
         for ev in events:
             logger.info("lease %s of %s expired; %d tasks requeued", ev.lease_id.hex()[:12],
                         ev.holder, len(ev.requeued))
@@ -1285,7 +1303,8 @@ class TrainerLeases:
         if claim.version < floor:
             raise _Refused(Reason.STALE_VERSION,
                            f"version {claim.version} < {floor}; update first")
-        if not self._queue:
+        backups = [] if self._queue else self._backup_candidates(claim.signer, now)
+        if not self._queue and not backups:
             raise _Refused(Reason.NO_WORK, "queue empty")
         sched = self._cfg.scheduling
         headroom = None
@@ -1301,8 +1320,12 @@ class TrainerLeases:
                            f"version {claim.version} leaves the staleness bound in "
                            f"{headroom:.1f}s, before one task is done; finish updating")
         plan = plan_lease(sched, speed=speed, tokens_per_task=self._speeds.tokens_per_task,
-                          want=claim.want, available=len(self._queue), headroom_s=headroom)
-        ids = [heapq.heappop(self._queue) for _ in range(plan.n_tasks)]
+                          want=claim.want, available=len(self._queue) or len(backups),
+                          headroom_s=headroom)
+        if backups:
+            ids = backups[:plan.n_tasks]
+        else:
+            ids = [heapq.heappop(self._queue) for _ in range(plan.n_tasks)]
         lease_id = domain_hash("swarm/lease-id", self._id.public_key, self._cfg.run.encode(),
                                self._lease_seq.to_bytes(8, "little"))[:LEASE_ID_LEN]
         expires = now + plan.timeout_s
@@ -1310,20 +1333,37 @@ class TrainerLeases:
                       tuple(self._tasks[t] for t in ids), floor, self._latest,
                       self._cfg.max_staleness, ms(now), ms(expires),
                       ms(self._cfg.grace_s)).sign(self._id)
-        ops.append(IssueLease(lease, expires, plan.timeout_s, now + plan.max_lifetime_s))
+        ops.append(IssueLease(lease, expires, plan.timeout_s, now + plan.max_lifetime_s,
+                              backup=bool(backups)))
         self._lease_seq += 1
         self._leases[lease_id] = _LeaseRec(lease, expires, plan.timeout_s,
                                            now + plan.max_lifetime_s, set(ids), set(), now,
-                                           speed)
+                                           speed, plan.expected_s)
+        for t in ids:
+            self._holders.setdefault(t, set()).add(lease_id)
+        if backups:
+            self.stats.tasks_backup += len(ids)
         reissued = sum(1 for t in ids if self._issues[t] > 0)
         for t in ids:
             self._issues[t] += 1
         self.stats.leases_issued += 1
         self.stats.tasks_issued += len(ids)
         self.stats.tasks_reissued += reissued
-        logger.debug("lease %s: %d tasks to %s for %.1fs", lease_id.hex()[:12], len(ids), peer,
-                     plan.timeout_s)
+        logger.debug("lease %s: %d %stasks to %s for %.1fs", lease_id.hex()[:12], len(ids),
+                     "backup " if backups else "", peer, plan.timeout_s)
         return lease
+
+    def _backup_candidates(self, claimant: bytes, now: float) -> list[int]:
+        """Uncounted tasks of overdue leases not held by ``claimant`` and not yet backed up."""
+        after = self._cfg.backup_after
+        if after is None:
+            return []
+        out: list[int] = []
+        for rec in sorted(self._leases.values(), key=lambda r: r.lease.issued_ms):
+            if (rec.lease.holder != claimant
+                    and now - rec.lease.issued_ms / 1000 > after * rec.expected_s):
+                out += sorted(t for t in rec.pending if len(self._holders.get(t, ())) == 1)
+        return out
 
     def _live(self, lease_id: bytes, signer: bytes, now: float,
               ops: list[StateOp]) -> _LeaseRec:
@@ -1332,6 +1372,8 @@ class TrainerLeases:
             state = self._closed.get(lease_id)
             if state is LeaseState.COMPLETED:
                 raise _Refused(Reason.DUPLICATE, "lease already completed")
+            if state is LeaseState.SUPERSEDED:
+                raise _Refused(Reason.SUPERSEDED, "backup leases delivered every task first")
             if state is not None:
                 raise _Refused(Reason.EXPIRED, f"lease {state.value}")
             raise _Refused(Reason.UNKNOWN_LEASE, "no such lease")
@@ -1368,6 +1410,9 @@ class TrainerLeases:
         counted = tuple(t for t in ids if t in rec.accepted)
         if counted:
             raise _Refused(Reason.DUPLICATE, "tasks already counted", counted)
+        superseded = tuple(t for t in ids if t in rec.superseded)
+        if superseded:
+            raise _Refused(Reason.SUPERSEDED, "a backup lease delivered these first", superseded)
         if any(t not in rec.pending for t in ids):
             raise _Refused(Reason.TASK_NOT_IN_LEASE, "result names tasks outside the lease")
         for tr in res.results:
@@ -1378,6 +1423,13 @@ class TrainerLeases:
                                f"task {tr.task_id}: {len(tr.completions)} completions for a "
                                f"group of {task.group_size}, or too many tokens")
         ops.append(AcceptResult(res, now))
+        for t in ids:
+            for other in self._holders.pop(t, set()) - {res.lease_id}:
+                orec = self._leases[other]
+                orec.pending.discard(t)
+                orec.superseded.add(t)
+                if not orec.pending:
+                    self._close(other, LeaseState.SUPERSEDED, ops)
         rec.pending.difference_update(ids)
         rec.accepted.update(ids)
         self._done.update(ids)
@@ -1392,27 +1444,32 @@ class TrainerLeases:
         return self._verdict("result", res.lease_id, Reason.ACCEPTED, now, accepted=ids)
 
     def _close(self, lease_id: bytes, state: LeaseState, ops: list[StateOp]) -> tuple[int, ...]:
-        rec = self._leases[lease_id]
-        requeued = tuple(sorted(rec.pending))
-        ops.append(CloseLease(lease_id, state, requeued))
-        return requeued
+        """End a live lease; its uncounted tasks no other live lease holds go back to the queue.
 
-    def _apply_pending_closes(self, ops: Sequence[StateOp]) -> None:
-        """After a commit, move closed leases out of the live table (requeueing their tasks)."""
-        for op in ops:
-            if not isinstance(op, CloseLease) or op.lease_id not in self._leases:
-                continue
-            rec = self._leases.pop(op.lease_id)
-            self._closed[op.lease_id] = op.state
-            for t in op.requeued:
+        Memory changes at once and ``ops`` carry them to the store in the caller's commit; if
+        that commit fails the object must be discarded and restored from the store.
+        """
+        rec = self._leases.pop(lease_id)
+        requeued = []
+        for t in sorted(rec.pending):
+            holders = self._holders.get(t, set())
+            holders.discard(lease_id)
+            if not holders:
+                self._holders.pop(t, None)
+                requeued.append(t)
                 heapq.heappush(self._queue, t)
-            if op.state is LeaseState.COMPLETED:
-                self.stats.leases_completed += 1
-            elif op.state is LeaseState.EXPIRED:
-                self.stats.leases_expired += 1
-                self._speeds.timed_out(rec.lease.holder_peer_id, rec.speed)
-            else:
-                self.stats.leases_released += 1
+        ops.append(CloseLease(lease_id, state, tuple(requeued)))
+        self._closed[lease_id] = state
+        if state is LeaseState.COMPLETED:
+            self.stats.leases_completed += 1
+        elif state is LeaseState.EXPIRED:
+            self.stats.leases_expired += 1
+            self._speeds.timed_out(rec.lease.holder_peer_id, rec.speed)
+        elif state is LeaseState.SUPERSEDED:
+            self.stats.leases_superseded += 1
+        else:
+            self.stats.leases_released += 1
+        return tuple(requeued)
 
 
 # --------------------------------------------------------------------------- peer side
@@ -1580,8 +1637,8 @@ class PeerLeases:
             return verdict.reason
         logger.info("trainer refused our %s for lease %s: %s (%s)", verdict.subject,
                     verdict.lease_id.hex()[:12] or "-", verdict.reason.value, verdict.detail)
-        if held is not None and verdict.subject == "result" and verdict.reason is \
-                Reason.DUPLICATE:
+        if held is not None and verdict.subject == "result" and verdict.reason in (
+                Reason.DUPLICATE, Reason.SUPERSEDED):
             # Counted before (our verdict was lost): the listed tasks, or the whole lease.
             held.counted.update(verdict.accepted or held.lease.task_ids)
             if held.counted >= set(held.lease.task_ids):
@@ -1609,6 +1666,8 @@ class ScenarioReport:
     """Every task was counted before the time and event bounds."""
     tasks_issued: int
     tasks_reissued: int
+    tasks_backup: int
+    """Tasks handed to a second peer as backups of an overdue lease (part of re-issued)."""
     tasks_completed: int
     lost: int
     double_counted: int
@@ -1634,6 +1693,7 @@ class ScenarioReport:
         return (f"[{self.name}] seed={self.seed} peers={self.peers} "
                 f"affected={self.affected_peers} tasks={self.tasks} "
                 f"issued={self.tasks_issued} reissued={self.tasks_reissued} "
+                f"backup={self.tasks_backup} "
                 f"completed={self.tasks_completed} lost={self.lost} "
                 f"double_counted={self.double_counted} leases={self.leases_issued} "
                 f"expired={self.leases_expired} banned={self.banned} "
@@ -1792,6 +1852,7 @@ class _World:
             finished=self.done(),
             tasks_issued=sum(s.tasks_issued for s in stats),
             tasks_reissued=sum(s.tasks_reissued for s in stats),
+            tasks_backup=sum(s.tasks_backup for s in stats),
             tasks_completed=len(self.store.accepted),
             lost=self.n_tasks - len(set(self.counted) | set(self.store.accepted)),
             double_counted=sum(c - 1 for c in self.counted.values() if c > 1),
@@ -1818,6 +1879,7 @@ class _SimPeer:
         self.waiting_claim = False
         self.working: bytes | None = None
         self.unacked: dict[bytes, bytes] = {}
+        self.rows: dict[bytes, tuple[int, list[TaskResult]]] = {}
         self.rng = world.rng
 
     @property
@@ -1868,6 +1930,12 @@ class _SimPeer:
                 if reason is not Reason.BANNED:
                     self.world.sim.at(self.now + 2.0, self.claim)
             elif msg.subject == "result" and self.unacked.pop(msg.lease_id, None) is not None:
+                held = self.leases.held.get(msg.lease_id)
+                version, rows = self.rows.pop(msg.lease_id, (0, []))
+                rest = [r for r in rows if held is not None and r.task_id not in held.counted]
+                if rest:  # some tasks were superseded by a backup: submit the others
+                    self._finish(msg.lease_id, version, rest)
+                    return
                 if self.working == msg.lease_id:
                     self.working = None
                 self.world.sim.at(self.now + 0.01, self.claim)
@@ -1911,6 +1979,7 @@ class _SimPeer:
             return
         data = self.leases.result(lease_id, version, results, self.now).encode()
         self.unacked[lease_id] = data
+        self.rows[lease_id] = (version, results)
         self._send_result(lease_id, data, attempts=12)
 
     def _send_result(self, lease_id: bytes, data: bytes, attempts: int) -> None:

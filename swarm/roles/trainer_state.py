@@ -159,12 +159,17 @@ class TrainerState:
             db.execute("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, 'active')",
                        (lease.lease_id, seq, lease.holder_peer_id, lease.encode(), op.expires,
                         op.timeout_s, op.deadline))
-            cur = db.executemany(
-                "UPDATE tasks SET state = 'leased', lease_id = ?, issues = issues + 1 "
-                "WHERE task_id = ? AND state = 'queued'",
-                [(lease.lease_id, t) for t in lease.task_ids])
+            if op.backup:  # the tasks stay with their first lease too
+                cur = db.executemany(
+                    "UPDATE tasks SET issues = issues + 1 WHERE task_id = ? AND state = 'leased'",
+                    [(t,) for t in lease.task_ids])
+            else:
+                cur = db.executemany(
+                    "UPDATE tasks SET state = 'leased', lease_id = ?, issues = issues + 1 "
+                    "WHERE task_id = ? AND state = 'queued'",
+                    [(lease.lease_id, t) for t in lease.task_ids])
             if cur.rowcount != len(lease.task_ids):
-                raise sqlite3.IntegrityError("lease names tasks that are not queued")
+                raise sqlite3.IntegrityError("lease names tasks that are not available")
         elif isinstance(op, RenewLease):
             db.execute("UPDATE leases SET expires = ? WHERE lease_id = ?",
                        (op.expires, op.lease_id))
