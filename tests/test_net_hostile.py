@@ -85,7 +85,7 @@ async def still_serves(victim: DirectTransport, honest: DirectTransport) -> None
     assert (msg.peer_id, msg.payload) == (honest.peer_id, b"still there?")
 
 
-CFG = DataPlaneConfig(handshake_timeout=0.5, stall_timeout=0.3, max_connections=64,
+CFG = DataPlaneConfig(handshake_timeout=1.5, stall_timeout=0.5, max_connections=64,
                       max_connections_per_peer=2, max_message_bytes=1 << 20)
 
 
@@ -108,7 +108,7 @@ async def test_bad_handshake_bytes_close_the_connection(garbage: bytes) -> None:
 async def test_silent_connection_is_dropped_after_the_handshake_timeout() -> None:
     async with DirectTransport(VICTIM, CFG) as victim:
         async with raw(port_of(victim)) as (reader, _):
-            assert await closed_by_peer(reader, within=3)
+            assert await closed_by_peer(reader, within=10)
         assert len(victim.plane._conns_all) == 0
 
 
@@ -140,7 +140,7 @@ async def test_peer_stalling_mid_frame_times_out_and_is_scored() -> None:
             session = await handshake(reader, writer, MALLORY)
             frame = sealed(session, b"y" * 1000)
             writer.write(frame[:100])  # then nothing
-            assert await closed_by_peer(reader, within=3)
+            assert await closed_by_peer(reader, within=10)
         assert victim.score(MALLORY.peer_id) < 0
         await still_serves(victim, honest)
 
@@ -169,7 +169,7 @@ async def test_hundreds_of_connections_are_bounded_and_others_are_served() -> No
             await asyncio.sleep(0.1)
             assert len(victim.plane._conns_all) <= CFG.max_connections
             await still_serves(victim, honest)
-            closed = await asyncio.gather(*(closed_by_peer(r, within=5) for r, _ in conns))
+            closed = await asyncio.gather(*(closed_by_peer(r, within=10) for r, _ in conns))
             assert all(closed)
         assert victim.plane.peers() == frozenset({honest.peer_id})
 

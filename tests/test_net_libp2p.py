@@ -182,3 +182,19 @@ async def test_gossip_burst_is_delivered_whole() -> None:
         got = [await asyncio.wait_for(sub.get(), 10) for _ in range(n)]
         assert sorted(int.from_bytes(m.data[:4], "big") for m in got) == list(range(n))
         assert sub.dropped == 0
+
+
+async def test_closing_a_node_wakes_its_waiting_consumers() -> None:
+    from swarm.net.transport import TransportClosed
+
+    node = Libp2pNode(ident(1), NodeConfig(data_plane=None))
+    async with node:
+        waiting = asyncio.create_task(node.recv())
+        events = asyncio.create_task(node.next_event())
+        await asyncio.sleep(0.05)
+    with pytest.raises(TransportClosed):
+        await asyncio.wait_for(waiting, 5)
+    with pytest.raises(TransportClosed):
+        await asyncio.wait_for(events, 5)
+    with pytest.raises(TransportClosed):
+        await node.send(ident(2).peer_id, b"late")

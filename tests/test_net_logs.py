@@ -1,0 +1,22 @@
+"""libp2p's log records surface under ``swarm.net.libp2p``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from swarm.net.logs import route_libp2p_logging
+
+
+def test_libp2p_records_are_forwarded_under_swarm_net(caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    with caplog.at_level(logging.DEBUG, logger="swarm.net.libp2p"):
+        route_libp2p_logging()
+        route_libp2p_logging()  # idempotent: one forwarder
+        logging.getLogger("libp2p.pubsub.pubsub").warning("queue full for %s", "t")
+        logging.getLogger("libp2p.network").info("stream chatter")
+    names = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert ("swarm.net.libp2p.libp2p.pubsub.pubsub", "WARNING", "queue full for t") in names
+    assert ("swarm.net.libp2p.libp2p.network", "DEBUG", "stream chatter") in names
+    assert sum(1 for n in names if n[2] == "queue full for t") == 1
