@@ -89,7 +89,8 @@ class ExchangeConfig:
     upload_slots: int = 8
     """Neighbours unchoked at once (including the optimistic one)."""
     remote_slots: int = 3
-    """Of ``upload_slots``, how many are kept for neighbours in other regions."""
+    """Of ``upload_slots``, at most this many go to neighbours in other regions (the
+    in-region spread needs the rest)."""
     unchoke_all: bool = False
     """Serve every neighbour (the trainer: its load is governed by super-seeding)."""
     rechoke_interval: float = 0.5
@@ -424,7 +425,7 @@ class Exchange:
             p.strikes += 1
             self._set_rate(p, p.rate / 2)
             if p.strikes >= self.config.max_strikes:
-                log.info("%s: neighbour %s timed out", self.me[:8], p.peer[:8])
+                log.info("%s: neighbour %s timed out", self.me, p.peer)
                 self._events.append(PeerTimedOut(p.peer))
                 self.disconnect(p.peer, now)
         if now >= self._next_rechoke:
@@ -598,7 +599,7 @@ class Exchange:
     def _ban(self, peer: str, reason: str, now: float) -> None:
         if peer in self._banned:
             return
-        log.warning("%s: banning %s: %s", self.me[:8], peer[:8], reason)
+        log.warning("%s: banning %s: %s", self.me, peer, reason)
         self._banned.add(peer)
         self.bans.append((peer, reason))
         self._events.append(PeerBanned(peer, reason))
@@ -821,20 +822,14 @@ class Exchange:
         candidates = [p for p in self._peers.values() if p.we_choke and self._interested(p)]
         self._rng.shuffle(candidates)
         candidates.sort(key=lambda p: -p.got_recent)
-        remote_room = self.config.remote_slots - remote_used
-        local_room = room - max(0, remote_room)
+        remote_room = max(0, self.config.remote_slots - remote_used)
         for p in candidates:
             if room <= 0:
                 break
-            is_remote = p.region != self.region
-            if is_remote and remote_room > 0:
+            if p.region != self.region:
+                if remote_room <= 0:
+                    continue
                 remote_room -= 1
-            elif not is_remote and local_room > 0:
-                local_room -= 1
-            elif remote_room <= 0 and local_room <= 0:
-                break
-            else:
-                continue
             self._set_choke(p, False)
             room -= 1
 

@@ -1,0 +1,166 @@
+"""``swarm simulate``: distribute steps over a simulated swarm and compare with baselines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import LocalProtocolError
+from swarm.sim.scenario import PRESETS, ChurnEvent, Scenario, load_toml
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="paper",
+                   help="starting scenario (default: paper: 4 regions, 0.5-1 Gbps WAN, "
+                        "64 heterogeneous peers, Qwen3-8B)")
+    p.add_argument("--config", type=Path, help="TOML file overriding the preset's fields")
+    p.add_argument("--peers", type=int, help="number of rollout peers")
+    p.add_argument("--model-gb", type=float, help="dense bf16 state size in GB")
+    p.add_argument("--ratio", type=float,
+                   help="dense / delta size ratio of the codec (default 180)")
+    p.add_argument("--chunk-mib", type=float, help="chunk size in MiB")
+    p.add_argument("--rollout", type=float, help="rollout seconds per step")
+    p.add_argument("--steps", type=int, help="steps to simulate")
+    p.add_argument("--malicious", type=float, help="fraction of peers serving corrupt chunks")
+    p.add_argument("--crash", type=int, default=0, help="peers that crash silently ...")
+    p.add_argument("--crash-at", type=float, default=0.5, help="... at this time (s)")
+    p.add_argument("--join", type=int, default=0, help="peers that join late ...")
+    p.add_argument("--join-at", type=float, default=0.5, help="... at this time (s)")
+    p.add_argument("--seed", type=int, help="random seed")
+    p.add_argument("--sweep", default="8,16,32,64",
+                   help="peer counts for the plot (comma-separated; empty: no sweep)")
+    p.add_argument("--out", type=Path, default=Path("sim-out"),
+                   help="directory for result.json and plot.png")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def scenario_from_args(args: argparse.Namespace) -> Scenario:
+    sc = PRESETS[args.preset]
+    if args.config is not None:
+        sc = load_toml(args.config, sc)
+    changes: dict[str, Any] = {}
+    for flag, field in (("peers", "peers"), ("ratio", "delta_ratio"),
+                        ("rollout", "rollout_s"), ("steps", "steps"),
+                        ("malicious", "malicious"), ("seed", "seed")):
+        if getattr(args, flag) is not None:
+            changes[field] = getattr(args, flag)
+    if args.model_gb is not None:
+        changes["model_bytes"] = args.model_gb * 1e9
+    if args.chunk_mib is not None:
+        changes["chunk_bytes"] = int(args.chunk_mib * (1 << 20))
+    churn = list(sc.churn)
+    if args.crash:
+        churn.append(ChurnEvent(args.crash_at, "crash", args.crash))
+    if args.join:
+        churn.append(ChurnEvent(args.join_at, "join", args.join))
+    changes["churn"] = tuple(churn)
+    sc = sc.with_(**changes)
+    sc.check()
+    return sc
+
+
+class _Progress:
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def __call__(self, now: float, done: int, total: int) -> None:
+        wall = time.perf_counter()
+        if not self.enabled or wall - self.last < 0.2:
+            return
+        self.last = wall
+        print(f"\r  {self.label}: virtual {now:6.2f} s, {done}/{total} peers done, "
+              f"wall {wall - self.t0:5.1f} s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            print("\r" + " " * 78 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from swarm.sim.report import format_step, run_step
+
+    sc = scenario_from_args(args)
+    show = not args.quiet and sys.stderr.isatty()
+    print(f"scenario {sc.name}: {sc.peers} peers in {len(sc.regions)} regions "
+          f"({', '.join(sc.regions)}), model {sc.model_bytes / 1e9:.1f} GB bf16, delta "
+          f"1/{sc.delta_ratio:g} = {sc.payload_bytes / 1e6:.1f} MB in "
+          f"{len(sc.chunk_sizes())} chunks, rollout {sc.rollout_s:g} s, malicious "
+          f"{sc.malicious:.0%}, seed {sc.seed}")
+    out: dict[str, Any] = {"scenario": _scenario_json(sc), "steps": [], "sweep": []}
+    ok = True
+    for step in range(sc.steps):
+        prog = _Progress(f"step {step}", show)
+        rep = run_step(sc, step, with_baselines=not args.no_baselines, progress=prog)
+        prog.close()
+        print(format_step(rep, sc.regions), flush=True)
+        out["steps"].append(rep.to_json())
+        ok = ok and rep.swarm.bit_exact
+    sweep = [int(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else []
+    for n in sweep:
+        prog = _Progress(f"sweep {n} peers", show)
+        rep = run_step(sc.with_(peers=n, churn=()), 0,
+                       with_baselines=not args.no_baselines, progress=prog)
+        prog.close()
+        print(f"sweep {n:4d} peers: " + "; ".join(
+            f"{r.name} {r.completion_s:.2f} s, egress {r.trainer_egress_x:.2f}x"
+            for r in rep.rows), flush=True)
+        out["sweep"].append(rep.to_json())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out / 'result.json'}")
+    if sweep and not args.no_plot:
+        path = args.out / "plot.png"
+        plot_sweep(out["sweep"], path)
+        print(f"wrote {path}")
+    return 0 if ok else 1
+
+
+def _scenario_json(sc: Scenario) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    d = asdict(sc)
+    d["payload_bytes"] = sc.payload_bytes
+    return d
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
+    """Distribution time and trainer egress vs number of peers, swarm vs baselines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise LocalProtocolError("the plot needs matplotlib (pip install matplotlib)"
+                                 ) from exc
+    peers = [r["peers"] for r in rows]
+    names = [m["name"] for m in rows[0]["methods"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k, name in enumerate(names):
+        ax1.plot(peers, [r["methods"][k]["completion_s"] for r in rows], marker="o",
+                 label=name)
+        egress = [r["methods"][k]["trainer_egress_gb"] for r in rows]
+        ax2.plot(peers, egress, marker="o", label=name)
+    ax1.plot(peers, [r["lower_bound_s"] for r in rows], "k--", label="lower bound")
+    for ax, title, unit in ((ax1, "time until every peer holds the step", "seconds"),
+                            (ax2, "trainer egress per step", "GB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("peers")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

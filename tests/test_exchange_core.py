@@ -1,0 +1,338 @@
+"""The sans-IO exchange core and its picker, driven by hand with fixed clocks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from swarm.content import Manifest
+from swarm.content.ids import chunk_id, domain_hash
+from swarm.errors import LocalProtocolError
+from swarm.protocol import picker
+from swarm.protocol.exchange import (
+    ChunkStored,
+    Exchange,
+    ExchangeConfig,
+    ObjectComplete,
+    ObjectSpec,
+    PeerBanned,
+    PeerTimedOut,
+)
+from swarm.protocol.exchange_msgs import (
+    Bitfield,
+    Cancel,
+    Choke,
+    Have,
+    Message,
+    Piece,
+    Reject,
+    Request,
+    Suggest,
+    Unchoke,
+    decode,
+    encode,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_object(n: int = 12, size: int = 4096, seed: int = 0) -> tuple[ObjectSpec, list[bytes]]:
+    chunks = [bytes([(seed + i) % 256]) * size + os.urandom(8) for i in range(n)]
+    spec = ObjectSpec(domain_hash("test", seed.to_bytes(4, "little")),
+                      tuple(chunk_id(c) for c in chunks), tuple(len(c) for c in chunks))
+    return spec, chunks
+
+
+class Net:
+    """Instant in-memory delivery between cores, through the real codec."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Exchange] = {}
+        self.corrupt: set[str] = set()
+        self.silent: set[str] = set()
+        self.sent: list[tuple[str, str, Message]] = []
+        self.events: dict[str, list[object]] = {}
+
+    def add(self, core: Exchange) -> Exchange:
+        self.nodes[core.me] = core
+        self.events[core.me] = []
+        return core
+
+    def link(self, a: str, b: str, now: float, *, trainer_a: bool = False,
+             trainer_b: bool = False, same_region: bool = True) -> None:
+        ra = self.nodes[a].region
+        rb = self.nodes[b].region if same_region else "elsewhere"
+        self.nodes[a].connect(b, now, region=rb, rtt=0.01, trainer=trainer_b)
+        self.nodes[b].connect(a, now, region=ra, rtt=0.01, trainer=trainer_a)
+
+    def run(self, now: float, rounds: int = 500) -> None:
+        for _ in range(rounds):
+            moved = False
+            for name, core in list(self.nodes.items()):
+                for dst, msg in core.take_outgoing():
+                    moved = True
+                    self.sent.append((name, dst, msg))
+                    if name not in self.silent and dst in self.nodes:
+                        self.nodes[dst].receive_bytes(name, encode(msg), now)
+                for dst in sorted(core.take_upload_ready()):
+                    while (piece := core.next_upload(dst, now)) is not None:
+                        moved = True
+                        if name in self.silent:
+                            continue
+                        if name in self.corrupt:
+                            piece = Piece(piece.obj, piece.index, b"\0" + piece.data[1:])
+                        self.sent.append((name, dst, piece))
+                        self.nodes[dst].receive(name, decode(encode(piece)), now)
+                self.events[name].extend(core.take_events())
+            if not moved:
+                return
+        raise AssertionError("exchange did not settle")
+
+
+def test_two_nodes_transfer_everything_verified() -> None:
+    spec, chunks = make_object()
+    net = Net()
+    seed = net.add(Exchange("seed", region="r", seed=1))
+    leech = net.add(Exchange("leech", region="r", seed=2))
+    seed.add_object(spec, 0.0, dict(enumerate(chunks)))
+    leech.add_object(spec, 0.0)
+    net.link("seed", "leech", 0.0)
+    net.run(0.0)
+    net.run(1.0)
+    seed.handle_timer(1.0)  # first re-ranking: the leech is interested, gets unchoked
+    net.run(1.0)
+    assert leech.is_complete(spec.obj)
+    assert [leech.chunk(spec.obj, i) for i in range(len(chunks))] == chunks
+    stored = [e for e in net.events["leech"] if isinstance(e, ChunkStored)]
+    assert sorted(e.index for e in stored) == list(range(len(chunks)))
+    assert any(isinstance(e, ObjectComplete) for e in net.events["leech"])
+    # every request was answered exactly once: no duplicate pieces
+    pieces = [m for s, d, m in net.sent if isinstance(m, Piece) and d == "leech"]
+    assert len(pieces) == len(chunks)
+    assert leech.bytes_wasted == 0
+
+
+def test_choked_requests_are_rejected_and_bitfield_announced() -> None:
+    spec, chunks = make_object(4)
+    seed = Exchange("seed", config=ExchangeConfig(upload_slots=1))
+    seed.add_object(spec, 0.0, dict(enumerate(chunks)))
+    seed.connect("a", 0.0)
+    out = seed.take_outgoing()
+    assert isinstance(out[0][1], Bitfield) and out[0][1].count == 4
+    seed.receive("a", Request(spec.obj, 0), 0.0)
+    assert ("a", Reject(spec.obj, 0)) in seed.take_outgoing()
+    seed.receive("a", Bitfield(spec.obj, 4, b"\0"), 0.0)
+    assert ("a", Unchoke()) in seed.take_outgoing()  # interested: a free slot is filled
+    seed.receive("a", Request(spec.obj, 1), 0.0)
+    assert seed.take_upload_ready() == {"a"}
+    seed.receive("a", Cancel(spec.obj, 1), 0.0)
+    assert seed.next_upload("a", 0.0) is None  # withdrawn before it reached the wire
+
+
+def test_rarest_first_and_pipeline_depth() -> None:
+    spec, _chunks = make_object(6)
+    me = Exchange("me", seed=3, config=ExchangeConfig(min_pipeline=2, max_pipeline=2))
+    me.add_object(spec, 0.0)
+    holdings = (("a", {0, 1, 2, 3}), ("b", {0, 1, 2}), ("c", {0, 1}))
+    for peer, have in holdings:
+        me.connect(peer, 0.0, rtt=0.001)
+        bits = bytearray(1)
+        for i in have:
+            bits[0] |= 1 << i
+        me.receive(peer, Bitfield(spec.obj, 6, bytes(bits)), 0.0)
+    assert not any(isinstance(m, Request) for _, m in me.take_outgoing())  # all choke us
+    me.receive("a", Unchoke(), 0.0)
+    first = [(p, m.index) for p, m in me.take_outgoing() if isinstance(m, Request)]
+    # a's two rarest chunks: 3 (a alone) and 2 (a and b); depth 2 stops there
+    assert sorted(first) == [("a", 2), ("a", 3)]
+    me.receive("b", Unchoke(), 0.0)
+    me.receive("c", Unchoke(), 0.0)
+    rest = [(p, m.index) for p, m in me.take_outgoing() if isinstance(m, Request)]
+    assert sorted(i for _, i in rest) == [0, 1]  # no duplicates before the endgame
+    for p in "bc":
+        assert sum(1 for q, _ in rest if q == p) <= 2
+
+
+def test_bad_chunk_bans_the_server_and_goes_elsewhere() -> None:
+    spec, chunks = make_object(8)
+    net = Net()
+    t = net.add(Exchange("trainer", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    bad = net.add(Exchange("bad", seed=2, config=ExchangeConfig(unchoke_all=True)))
+    me = net.add(Exchange("me", seed=3))
+    t.add_object(spec, 0.0, dict(enumerate(chunks)))
+    bad.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me.add_object(spec, 0.0)
+    net.corrupt.add("bad")
+    net.link("me", "bad", 0.0)
+    net.link("me", "trainer", 0.0, trainer_b=True)
+    net.run(0.0)
+    assert "bad" in me.banned
+    assert any(isinstance(e, PeerBanned) and e.peer == "bad" for e in net.events["me"])
+    # the trainer is the last resort: after the swarm stalls it serves what is left
+    for k in range(1, 5):
+        me.handle_timer(k * 1.0)
+        net.run(k * 1.0)
+    assert me.is_complete(spec.obj)
+    assert all(me.chunk(spec.obj, i) == chunks[i] for i in range(8))
+    # a banned peer is never re-admitted
+    me.connect("bad", 9.0)
+    assert "bad" not in me.neighbours
+
+
+def test_requests_to_a_silent_peer_time_out_and_go_elsewhere() -> None:
+    spec, chunks = make_object(4)
+    net = Net()
+    a = net.add(Exchange("a", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    b = net.add(Exchange("b", seed=2, config=ExchangeConfig(unchoke_all=True)))
+    me = net.add(Exchange("me", seed=3, config=ExchangeConfig(request_timeout=1.0)))
+    for core in (a, b):
+        core.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me.add_object(spec, 0.0)
+    net.silent.add("a")  # a announces nothing more and never answers
+    net.nodes["me"].connect("a", 0.0, rtt=0.01)
+    me.receive("a", Bitfield(spec.obj, 4, b"\x0f"), 0.0)
+    me.receive("a", Unchoke(), 0.0)
+    net.run(0.0)
+    net.link("me", "b", 0.1)
+    net.run(0.1)
+    now = 0.1
+    for _ in range(50):
+        t = me.next_timer()
+        assert t is not None and t > now
+        now = t
+        me.handle_timer(now)
+        net.run(now)
+        if me.is_complete(spec.obj):
+            break
+    assert me.is_complete(spec.obj) and now < 10.0
+    assert all(me.chunk(spec.obj, i) == chunks[i] for i in range(4))
+    assert any(s == "me" and d == "a" and isinstance(m, Cancel) for s, d, m in net.sent)
+    stored = [e for e in net.events["me"] if isinstance(e, ChunkStored)]
+    assert {e.source for e in stored} == {"b"}
+
+
+def test_silent_peer_is_dropped_after_strikes() -> None:
+    spec, _chunks = make_object(4)
+    me = Exchange("me", seed=3, config=ExchangeConfig(request_timeout=1.0, max_strikes=2))
+    me.add_object(spec, 0.0)
+    me.connect("ghost", 0.0, rtt=0.01)
+    me.receive("ghost", Bitfield(spec.obj, 4, b"\x0f"), 0.0)
+    me.receive("ghost", Unchoke(), 0.0)
+    assert any(isinstance(m, Request) for _, m in me.take_outgoing())
+    now = 0.0
+    for _ in range(20):
+        t = me.next_timer()
+        assert t is not None and t > now
+        now = t
+        me.handle_timer(now)
+        if "ghost" not in me.neighbours:
+            break
+    assert "ghost" not in me.neighbours
+    assert any(isinstance(e, PeerTimedOut) for e in me.take_events())
+    assert now < 30.0
+    cancels = [m for _, m in me.take_outgoing() if isinstance(m, Cancel)]
+    assert cancels
+
+
+def test_endgame_asks_a_second_source_and_cancels_the_loser() -> None:
+    spec, chunks = make_object(2)
+    me = Exchange("me", seed=5, config=ExchangeConfig(endgame_late=1.0))
+    me.add_object(spec, 0.0)
+    for p in ("a", "b"):
+        me.connect(p, 0.0, rtt=0.01)
+        me.receive(p, Bitfield(spec.obj, 2, b"\x03"), 0.0)
+        me.receive(p, Unchoke(), 0.0)
+    first = [(p, m.index) for p, m in me.take_outgoing() if isinstance(m, Request)]
+    assert sorted(i for _, i in first) == [0, 1]
+    me.handle_timer(0.5)  # both requests are late: strict endgame duplicates them
+    dups = [(p, m.index) for p, m in me.take_outgoing() if isinstance(m, Request)]
+    assert dups and all(d not in first for d in dups)
+    src, idx = dups[0]
+    me.receive(src, Piece(spec.obj, idx, chunks[idx]), 0.6)
+    out = me.take_outgoing()
+    loser = next(p for p, i in first if i == idx)
+    assert (loser, Cancel(spec.obj, idx)) in out
+    assert (loser, Have(spec.obj, idx)) in out
+
+
+def test_super_seeding_hands_out_distinct_chunks() -> None:
+    spec, chunks = make_object(16)
+    t = Exchange("trainer", seed=1, config=ExchangeConfig(
+        unchoke_all=True, super_seed=True, suggest_depth=2, suggest_total=100))
+    t.add_object(spec, 0.0, dict(enumerate(chunks)))
+    for p in ("a", "b", "c", "d"):
+        t.connect(p, 0.0)
+        t.receive(p, Bitfield(spec.obj, 16, b"\0\0"), 0.0)
+    sugg = [(p, m.index) for p, m in t.take_outgoing() if isinstance(m, Suggest)]
+    assert len(sugg) == 8
+    assert len({i for _, i in sugg}) == 8  # nobody is handed a chunk another already has
+    # a peer that got its chunk is handed a new one
+    p, i = sugg[0]
+    t.receive(p, Have(spec.obj, i), 0.1)
+    more = [m.index for q, m in t.take_outgoing() if isinstance(m, Suggest) and q == p]
+    assert more and more[0] not in {j for _, j in sugg}
+
+
+def test_import_rank_is_a_permutation_per_chunk() -> None:
+    keys = [picker.peer_key(f"peer-{i}") for i in range(10)]
+    obj = b"o" * 32
+    for idx in range(20):
+        ranks = sorted(picker.import_rank(k, idx, obj, keys) for k in keys)
+        assert ranks == list(range(10))
+    firsts = {next(k for k in keys if picker.import_rank(k, idx, obj, keys) == 0)
+              for idx in range(50)}
+    assert len(firsts) > 3  # the import load spreads over the region
+
+
+def test_pipeline_depth_follows_the_bandwidth_delay_product() -> None:
+    chunk = 1 << 20
+    assert picker.pipeline_depth(10e6, 0.001, chunk, 2, 16) == 2
+    assert picker.pipeline_depth(125e6, 0.2, chunk, 2, 64) == 25
+    assert picker.pipeline_depth(1e12, 1.0, chunk, 2, 16) == 16
+
+
+def _delta(step: int, base: bytes, target: bytes, size: int) -> Manifest:
+    return Manifest("run", step, "delta", base, target, b"l" * 32, "c", 1 << 12,
+                    ((b"c" * 32, size),))
+
+
+def test_catch_up_takes_the_cheaper_route() -> None:
+    r = [bytes([i]) * 32 for i in range(6)]
+    deltas = {s: _delta(s, r[s - 1], r[s], 100) for s in range(1, 6)}
+    plan = picker.plan_catch_up(2, r[2], 5, deltas, state_bytes=1000)
+    assert plan.kind == "chain" and plan.steps == (3, 4, 5) and plan.nbytes == 300
+    plan = picker.plan_catch_up(0, r[0], 5, deltas, state_bytes=450)
+    assert plan.kind == "state" and plan.nbytes == 450 and plan.chain_bytes == 500
+    del deltas[4]  # a link no longer retained: the chain is broken
+    plan = picker.plan_catch_up(2, r[2], 5, deltas, state_bytes=10_000)
+    assert plan.kind == "state" and plan.chain_bytes is None
+    wrong_base = picker.plan_catch_up(4, b"x" * 32, 5, deltas, state_bytes=10_000)
+    assert wrong_base.kind == "state"
+    assert picker.plan_catch_up(5, r[5], 5, deltas, 1).kind == "none"
+
+
+def test_misuse_is_a_local_error() -> None:
+    spec, _chunks = make_object(2)
+    me = Exchange("me")
+    me.add_object(spec, 0.0)
+    with pytest.raises(LocalProtocolError):
+        me.add_object(spec, 0.0)
+    other, _ = make_object(2, seed=9)
+    with pytest.raises(LocalProtocolError):
+        me.add_object(other, 0.0, {0: b"short"})
+
+
+def test_hostile_messages_ban_without_crashing() -> None:
+    spec, _chunks = make_object(3)
+    me = Exchange("me")
+    me.add_object(spec, 0.0)
+    for peer, raw in (("x", b"\xc1garbage"), ("y", encode(Have(spec.obj, 99))),
+                      ("z", encode(Bitfield(spec.obj, 7, b"\x01")))):
+        me.connect(peer, 0.0)
+        me.receive_bytes(peer, raw, 0.0)
+        assert peer in me.banned
+    me.connect("w", 0.0)
+    me.receive("w", Choke(), 0.0)  # legal: nothing happens
+    me.receive("nobody", Have(spec.obj, 0), 0.0)  # not connected: ignored
+    assert "w" in me.neighbours
