@@ -1071,6 +1071,8 @@ class TrainerLeases:
             self._queue.append(task.task_id)
         heapq.heapify(self._queue)
         self._done: set[int] = set(snap.done)
+        # One entry per lease ever closed (a few dozen bytes each), kept so a late or replayed
+        # message gets a precise reason; the store keeps them too.
         self._closed: dict[bytes, LeaseState] = dict(snap.closed)
         self._leases: dict[bytes, _LeaseRec] = {}
         self._holders: dict[int, set[bytes]] = {}
@@ -1433,6 +1435,9 @@ class TrainerLeases:
         rec.pending.difference_update(ids)
         rec.accepted.update(ids)
         self._done.update(ids)
+        for t in ids:  # counted tasks need neither their prompt nor their issue count
+            self._tasks.pop(t, None)
+            self._issues.pop(t, None)
         self._speeds.observe(peer, res.n_tokens, len(ids), now - rec.last_progress)
         rec.last_progress = now
         ops.append(ScorePeer(peer, self._scores.record(peer, Reason.ACCEPTED)))
