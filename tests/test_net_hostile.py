@@ -247,3 +247,34 @@ async def test_libp2p_oversized_frame_drops_the_peer() -> None:
             assert loop.time() < deadline
             await asyncio.sleep(0.05)
         assert victim.score(mallory.peer_id) < 0
+
+
+async def test_plaintext_libp2p_peer_cannot_connect_under_a_claimed_identity() -> None:
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+    from multiaddr import Multiaddr
+
+    async with Libp2pNode(ident(1), NodeConfig(data_plane=None)) as victim:
+        guest = victim.trio_guest
+        key_pair = create_new_key_pair(ident(5).seed)
+        attacker = new_host(key_pair=key_pair, sec_opt={
+            TProtocol(PLAINTEXT_PROTOCOL_ID): InsecureTransport(key_pair)})
+
+        async def try_plaintext() -> str:
+            async with attacker.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                try:
+                    with trio.fail_after(10):
+                        await attacker.connect(info_from_p2p_addr(
+                            Multiaddr(victim.listen_addresses[0])))
+                except Exception as exc:
+                    return f"refused: {type(exc).__name__}"
+                finally:
+                    for peer in attacker.get_connected_peers():
+                        await attacker.disconnect(peer)
+            return "connected"
+
+        assert (await guest.run(try_plaintext)).startswith("refused")
+        assert victim.connected_peers() == frozenset()

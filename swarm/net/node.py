@@ -340,16 +340,27 @@ class Libp2pNode:
         task.add_done_callback(self._tasks.discard)
 
     async def _host_main(self, ready: Any) -> None:
-        from libp2p import new_host
+        from libp2p import create_yamux_muxer_option, new_host
         from libp2p.crypto.ed25519 import create_new_key_pair
+        from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
         from libp2p.custom_types import TProtocol
         from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
         from libp2p.pubsub.pubsub import Pubsub
+        from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+        from libp2p.security.noise.transport import Transport as NoiseTransport
         from libp2p.tools.anyio_service.context import background_trio_service
         from multiaddr import Multiaddr
 
         g = self.config.gossip
-        host = new_host(key_pair=create_new_key_pair(self.identity.seed))
+        key_pair = create_new_key_pair(self.identity.seed)
+        # Noise and Yamux only: py-libp2p's defaults also accept plaintext (which lets a
+        # peer claim any id without proof), secio, TLS and mplex.
+        host = new_host(
+            key_pair=key_pair,
+            sec_opt={TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
+                key_pair, noise_privkey=create_x25519_key_pair().private_key)},
+            muxer_opt=create_yamux_muxer_option(),
+        )
         if _peer_str(host.get_id()) != self._peer_id:
             raise LocalProtocolError("libp2p derived a different peer id from the identity")
         try:
