@@ -1773,6 +1773,8 @@ class _World:
         self.sniffers: list[Any] = []
         self.version = 0
         self.step_s = 15.0
+        self.crash_at: float | None = None
+        """Crash the trainer right after the first result it commits from this time on."""
 
     # the wire --------------------------------------------------------------------------
 
@@ -1792,7 +1794,16 @@ class _World:
     def _to_trainer(self, src: str, data: bytes) -> None:
         if self.trainer is None or src in self.cut:
             return
-        for reply in self.trainer.handle(data, self.sim.now, sender=src):
+        before = self.trainer.stats.results_accepted
+        replies = self.trainer.handle(data, self.sim.now, sender=src)
+        if (self.crash_at is not None and self.sim.now >= self.crash_at
+                and self.trainer.stats.results_accepted > before):
+            # Committed, but the process dies before its verdict leaves.
+            self.crash_at = None
+            self.crash_trainer()
+            self.sim.at(self.sim.now + 5.0, self.restart_trainer)
+            return
+        for reply in replies:
             self.send(_TRAINER, src, reply.encode())
         self._collect()
 
@@ -1886,6 +1897,8 @@ class _SimPeer:
         self.unacked: dict[bytes, bytes] = {}
         self.rows: dict[bytes, tuple[int, list[TaskResult]]] = {}
         self.rng = world.rng
+        self.submit_late = False
+        """Attacker: sit on each lease past its expiry plus grace, then submit anyway."""
 
     @property
     def now(self) -> float:
@@ -1947,6 +1960,9 @@ class _SimPeer:
 
     def _work(self, lease: Lease) -> None:
         self.working = lease.lease_id
+        if self.submit_late:
+            self._work_late(lease)
+            return
         version = self.version
         results = []
         tokens = 0
@@ -1960,6 +1976,20 @@ class _SimPeer:
         self.world.sim.at(self.now + tokens / self.speed,
                           lambda: self._finish(lease.lease_id, version, results))
         self._heartbeat_loop(lease.lease_id)
+
+    def _work_late(self, lease: Lease) -> None:
+        rows = tuple(TaskResult(t.task_id, tuple(Completion((1,), (-1.0,))
+                                                 for _ in range(t.group_size)))
+                     for t in lease.tasks)
+        signed = Result(self.world.cfg.run, lease.lease_id, self.version, rows,
+                        ms(self.now)).sign(self.ident).encode()
+        wait = (lease.expires_ms - lease.issued_ms + lease.grace_ms) / 1000 + 3.0
+
+        def submit() -> None:
+            self.unacked[lease.lease_id] = signed
+            self.leases.held.pop(lease.lease_id, None)
+            self.world.send(self.id, _TRAINER, signed)
+        self.world.sim.at(self.now + wait, submit)
 
     def _heartbeat_loop(self, lease_id: bytes) -> None:
         if not self.alive or lease_id not in self.leases.held:
@@ -2048,7 +2078,7 @@ def run_scenario(name: str, *, seed: int = 0, peers: int = 20, tasks: int = 600,
         for pid in affected:
             world.peers[pid].speed /= 10
     elif name == "restart":
-        _arm_crash(world)
+        world.crash_at = 12.0
     elif name == "forgery":
         affected = _add_attackers(world)
         n_affected = len(affected)
@@ -2060,30 +2090,6 @@ def run_scenario(name: str, *, seed: int = 0, peers: int = 20, tasks: int = 600,
                 extra_refused.update(p.leases.refused)
     report = world.report(0 if name in ("baseline", "restart") else n_affected, extra_refused)
     return replace(report, seed=seed)
-
-
-def _arm_crash(world: _World) -> None:
-    """Crash the trainer right after it commits the first result past t=12 s."""
-    trainer_in = world._to_trainer
-    state = {"armed": True}
-
-    def to_trainer(src: str, data: bytes) -> None:
-        t = world.trainer
-        if t is None or not state["armed"] or world.sim.now < 12.0:
-            trainer_in(src, data)
-            return
-        before = t.stats.results_accepted
-        replies = t.handle(data, world.sim.now, sender=src)
-        if t.stats.results_accepted > before:
-            state["armed"] = False
-            world.crash_trainer()
-            world.sim.at(world.sim.now + 5.0, world.restart_trainer)
-            return
-        for reply in replies:
-            world.send(_TRAINER, src, reply.encode())
-        world._collect()
-
-    world._to_trainer = to_trainer  # type: ignore[method-assign]
 
 
 def _add_attackers(world: _World) -> set[str]:
@@ -2134,22 +2140,7 @@ def _add_attackers(world: _World) -> set[str]:
     world.sniffers.append(sniff)
     world.sim.at(2.0, forge)
 
-    def slow_work(lease: Lease) -> None:
-        late.working = lease.lease_id
-        results = tuple(TaskResult(t.task_id, tuple(Completion((1,), (-1.0,))
-                                                    for _ in range(t.group_size)))
-                        for t in lease.tasks)
-        signed = Result(world.cfg.run, lease.lease_id, late.version, results,
-                        ms(world.sim.now)).sign(late.ident).encode()
-        wait = (lease.expires_ms - lease.issued_ms + lease.grace_ms) / 1000 + 3.0
-
-        def submit() -> None:
-            late.unacked[lease.lease_id] = signed
-            late.leases.held.pop(lease.lease_id, None)
-            world.send(late.id, _TRAINER, signed)
-        world.sim.at(world.sim.now + wait, submit)
-
-    late._work = slow_work  # type: ignore[method-assign]
+    late.submit_late = True
     late.start(0.5)
     return {forger.id, late.id}
 
