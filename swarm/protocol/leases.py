@@ -969,6 +969,8 @@ class LeaseConfig:
             raise ValueError(f"run is 1..{MAX_RUN_LEN} characters")
         if self.max_staleness < 0 or self.grace_s < 0 or self.max_leases_per_peer < 1:
             raise ValueError("max_staleness, grace_s >= 0; max_leases_per_peer >= 1")
+        if self.backup_after is not None and self.backup_after <= 0:
+            raise ValueError("backup_after is positive (or None)")
 
 
 @dataclass(slots=True)
@@ -1298,7 +1300,9 @@ class TrainerLeases:
         if abs(claim.time_ms - ms(now)) > ms(self._cfg.claim_window_s):
             raise _Refused(Reason.REPLAY, "claim time outside the window")
         self._last_claim[peer] = claim.time_ms
-        held = sum(1 for r in self._leases.values() if r.lease.holder == claim.signer)
+        # Leases past expiry (still in their grace period) no longer count against the peer.
+        held = sum(1 for r in self._leases.values()
+                   if r.lease.holder == claim.signer and r.expires >= now)
         if held >= self._cfg.max_leases_per_peer:
             raise _Refused(Reason.TOO_MANY_LEASES, f"holds {held}")
         floor = max(0, self._latest - self._cfg.max_staleness)
