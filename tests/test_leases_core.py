@@ -705,3 +705,30 @@ def test_expiry_of_a_backed_up_lease_does_not_requeue_the_backed_tasks() -> None
     assert t.queued == 0 and t.outstanding == 2
     assert submit(t, pb, BOB, lb, la.expires_ms / 1000 + 11).reason is Reason.ACCEPTED
     assert t.outstanding == 0
+
+
+def test_large_result_round_trips_and_counts() -> None:
+    """64 tasks x 8 completions x 512 tokens (262,144 tokens, ~3 MB) in one signed result."""
+    import time
+
+    sampling = SamplingParams(max_new_tokens=512)
+    t = TrainerLeases(TRAINER, LeaseConfig(run=RUN, scheduling=SchedulingConfig(
+        max_tasks=64, target_lease_s=1e6)))
+    t.add_tasks([(f"p{i}", list(range(100))) for i in range(64)], group_size=8,
+                sampling=sampling)
+    p = peer(ALICE)
+    lease = get_lease(t, p, ALICE, 1.0, tps=1e6, want=64)
+    assert len(lease.tasks) == 64
+    rows = [TaskResult(task.task_id, tuple(
+        Completion(tuple(range(512)), tuple([-0.5] * 512)) for _ in range(8)))
+        for task in lease.tasks]
+    start = time.perf_counter()
+    data = p.result(lease.lease_id, 0, rows, 2.0).encode()
+    built = time.perf_counter()
+    [v] = t.handle(data, 2.0, sender=ALICE.peer_id)
+    done = time.perf_counter()
+    assert isinstance(v, Verdict) and v.reason is Reason.ACCEPTED and len(v.accepted) == 64
+    [acc] = t.take_accepted()
+    assert acc.results == tuple(rows)
+    print(f"result: {len(data) / 1e6:.1f} MB, sign+encode {built - start:.3f}s, "
+          f"trainer decode+verify+accept {done - built:.3f}s")
