@@ -17,12 +17,13 @@ PREFIX = "swarm.net.libp2p"
 
 class _Forward(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
+        level = logging.DEBUG if record.levelno == logging.INFO else record.levelno
         target = logging.getLogger(f"{PREFIX}.{record.name}")
-        if record.levelno == logging.INFO:  # libp2p's INFO is per-stream chatter
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        if target.isEnabledFor(record.levelno):
-            record.name = target.name
-            target.handle(record)
+        if target.isEnabledFor(level):
+            copy = logging.makeLogRecord(record.__dict__)  # others may hold the original
+            copy.name = target.name
+            copy.levelno, copy.levelname = level, logging.getLevelName(level)
+            target.handle(copy)
 
 
 _HANDLER = _Forward()
