@@ -31,13 +31,24 @@ def test_keygen_then_inspect(tmp_path: Path, capsys: object) -> None:
     assert peer_id in out.out and "already exists" in out.err
 
 
-def test_demo_and_inspect_manifest(tmp_path: Path, capsys: object) -> None:
-    assert main(["demo", "--dir", str(tmp_path), "--hidden", "64", "--layers", "1"]) == 0
-    trainer = Identity.load(tmp_path / "trainer.key")
-    manifest = tmp_path / "step-0.manifest"
+def test_inspect_manifest(tmp_path: Path, capsys: object) -> None:
+    from swarm.content.layout import StateLayout
+    from swarm.content.manifest import Manifest
+    from swarm.content.pieces import piece_ids_of, state_root
+
+    trainer = Identity.from_seed(b"k" * 32)
+    layout = StateLayout.of([("w", "bfloat16", [4096])])
+    ids = piece_ids_of([bytes(8192)], layout, 4096)
+    sm = Manifest(run="r", step=3, kind="keyframe", base_root=None,
+                  target_root=state_root(layout, ids, 4096), layout_digest=layout.digest,
+                  codec="pieces", piece_size=4096, chunks=tuple((i, 4096) for i in ids)
+                  ).sign(trainer)
+    manifest = tmp_path / "step-3.manifest"
+    manifest.write_bytes(sm.encode())
     assert main(["inspect", str(manifest), "--trainer", trainer.peer_id]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
-    assert "signature     valid" in out and "root matches" in out
+    assert "signature     valid" in out and "step          3" in out
+    assert "chunks        2 (8.0 KiB, 8192 bytes)" in out
     other = Identity.from_seed(b"z" * 32).peer_id
     assert main(["inspect", str(manifest), "--trainer", other]) == 2
     raw = bytearray(manifest.read_bytes())

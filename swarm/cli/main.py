@@ -19,6 +19,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("swarm.cli.keys", "write a new Ed25519 identity key and print its peer id"),
     "inspect": ("swarm.cli.inspect", "pretty-print a signed manifest or a key file"),
     "demo": ("swarm.cli.demo", "run the end-to-end demo on this machine"),
+    "trainer": ("swarm.cli.trainer", "run the built-in GRPO task as trainer and seed"),
+    "peer": ("swarm.cli.peer", "join a swarm as a rollout peer"),
+    "bootstrap": ("swarm.cli.bootstrap", "run a light bootstrap node (rendezvous, peer exchange)"),
     "simulate": ("swarm.sim.cli", "simulate a swarm distributing one or more steps"),
 }
 

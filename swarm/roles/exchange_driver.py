@@ -24,7 +24,7 @@ from swarm.protocol.exchange import (
     PeerTimedOut,
 )
 from swarm.protocol.exchange_msgs import Message as ExchangeMessage
-from swarm.protocol.exchange_msgs import encode
+from swarm.protocol.exchange_msgs import Piece, encode
 from swarm.roles.mux import Channel, Mux
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class ExchangeDriver:
         self._links: dict[str, _Link] = {}
         self._complete: dict[bytes, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        #: Chaos switch for demos and tests: flip one byte of every piece we upload.
+        self.corrupt_uploads = False
 
     def now(self) -> float:
         return self._loop.time()
@@ -165,6 +167,8 @@ class ExchangeDriver:
                         msg = self.exchange.next_upload(peer, self.now())
                     if msg is None:
                         break
+                    if self.corrupt_uploads and isinstance(msg, Piece) and msg.data:
+                        msg = Piece(msg.obj, msg.index, bytes([msg.data[0] ^ 0xFF]) + msg.data[1:])
                     await self.mux.send(Channel.EXCHANGE, peer, encode(msg))
                     self._pump()
         except (PeerUnreachable, TransportClosed) as exc:

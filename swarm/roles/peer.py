@@ -26,7 +26,7 @@ from swarm.errors import DecodeError, IntegrityError, SwarmError
 from swarm.identity import Identity, public_key_from_peer_id
 from swarm.net import topics
 from swarm.net.transport import Subscription
-from swarm.protocol.exchange import ExchangeConfig, ObjectSpec
+from swarm.protocol.exchange import Event, ExchangeConfig, ObjectSpec, PeerBanned
 from swarm.protocol.leases import (
     Completion,
     Lease,
@@ -89,9 +89,10 @@ class RolloutPeer(NodeBase):
         self.verified = 0
         self.verify_failures = 0
         self.tasks_done = 0
+        self.bans: list[tuple[str, str]] = []
 
     async def __aenter__(self) -> RolloutPeer:
-        await self.start()
+        await self.start(self._on_exchange_event)
         sub = await self.net.subscribe(topics.manifests(self.config.run),
                                        topics.manifest_validator(self.trainer_key))
         self.spawn(self._manifest_feed(sub), "manifest feed")
@@ -116,6 +117,11 @@ class RolloutPeer(NodeBase):
                 self.spawn(self._ask_sync(), "sync request")
         else:
             self.driver.disconnected(peer)
+
+    def _on_exchange_event(self, ev: Event) -> None:
+        if isinstance(ev, PeerBanned):
+            self.bans.append((ev.peer, ev.reason))
+            self._status("banned", {"peer": ev.peer, "reason": ev.reason})
 
     # -- versions ----------------------------------------------------------------------
     async def _ask_sync(self) -> None:

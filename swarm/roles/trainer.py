@@ -59,6 +59,8 @@ class TrainerConfig:
     """Piece size of state roots and keyframes."""
     max_staleness: int = 1
     """Results may use any version ``>= latest - max_staleness``."""
+    chunk_target: int = 2 << 20
+    """Encoded bytes per delta chunk (1-4 MiB on real models; smaller for toy ones)."""
     keep_versions: int = 64
     """Delta objects kept for catch-up (older peers refetch the state pieces)."""
     exchange: ExchangeConfig = field(default_factory=lambda: ExchangeConfig(
@@ -132,7 +134,8 @@ class TrainerNode(NodeBase):
             root = await asyncio.to_thread(state_root_of, snapshot, self.config.piece_size)
             sm, chunks = await encode_delta(
                 self._state, snapshot, self.identity, self.config.run, step,
-                config=EncoderConfig(piece_size=self.config.piece_size),
+                config=EncoderConfig(piece_size=self.config.piece_size,
+                                     chunk_target=self.config.chunk_target),
                 base_root=self._root, target_root=root, time_ms=now_ms)
             data = {i: c.data for i, c in enumerate(chunks)}
         self._state, self._root = snapshot, root
