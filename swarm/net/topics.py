@@ -22,12 +22,20 @@ message is delivered or forwarded, so a message failing it never propagates:
   the libp2p source of the message (no relaying someone else's claims under your name);
   lease grants are additionally checked against the trainer key by the lease layer.
 
-Limits (defaults of :class:`swarm.net.node.GossipConfig`; measured figures in the
-README): messages up to 1 MiB (manifests of ~16k chunks); 1000 messages per second per
-topic per peer before gossipsub's spam protection drops; subscription queues of 1024
-messages (beyond that the newest are dropped and logged at WARNING); mesh degree 6
-(4..12), heartbeat 1 s. libp2p's own 32-deep subscription channel is drained by a
-dedicated task into that queue.
+Limits (defaults of :class:`swarm.net.node.GossipConfig`): messages up to 1 MiB
+(manifests of ~16k chunks); 1000 messages per second per topic per peer before
+gossipsub's spam protection drops; per-peer outbound queues of 4096 RPCs; subscription
+queues of 1024 messages (beyond that the newest are dropped and logged at WARNING);
+mesh degree 6 (4..12), heartbeat 1 s; a node does not receive its own publications.
+py-libp2p's own 32-deep subscription channel is drained by a dedicated task.
+
+Measured on loopback (5 nodes: a bootstrap and 4 joiners, one of them publishing, on a
+loaded 2-core machine): py-libp2p's defaults (32-deep outbound queues, 10 messages per
+second per topic per peer) delivered 10 of a 300-message burst of 1 KiB; these settings
+delivered 1000 of 1000 (1 KiB) and 100 of 100 (256 KiB) to every receiver. Publishing
+runs at about 150 messages per second (1 KiB) through the trio bridge, and end-to-end
+relay through the bootstrap node at about 40 messages per second per receiver, ample for
+manifests (one per step), have summaries and lease traffic, not for bulk data.
 """
 
 from __future__ import annotations
