@@ -64,6 +64,9 @@ class PeerView:
     bans: int = 0
     killed: bool = False
     sync_s: dict[int, float] = field(default_factory=dict)
+    """Per version: seconds from its manifest to a verified canonical state."""
+    installed_s: dict[int, float] = field(default_factory=dict)
+    """Per version: seconds until the engine ran it (waits for a rollout boundary)."""
 
 
 @dataclass
@@ -235,6 +238,7 @@ def _apply(st: DemoState, ev: dict[str, Any]) -> int | None:
         peer.version = int(ev["version"])
         peer.verified += 1
         peer.sync_s[peer.version] = float(ev.get("sync_s", 0.0))
+        peer.installed_s[peer.version] = float(ev.get("installed_s", 0.0))
     elif kind == "verify_failed":
         peer.failures += 1
     elif kind == "lease":
@@ -320,17 +324,19 @@ def _summary(st: DemoState, elapsed: float) -> bool:
               f"{st.egress / max(1, total_payload):.2f}x the payload for "
               f"{len(st.peers)} peers")
     print(f"{'peer':<10}{'region':<8}{'versions verified':>18}{'failed':>7}{'leases':>7}"
-          f"{'mean sync s':>12}  state")
+          f"{'mean sync s':>12}{'to engine s':>12}  state")
     expected = st.final_step + 1
     all_ok = True
     for p in st.peers.values():
         syncs = [v for k, v in p.sync_s.items() if k > 0]
         mean = sum(syncs) / len(syncs) if syncs else float("nan")
+        inst = [v for k, v in p.installed_s.items() if k > 0]
+        mean_inst = sum(inst) / len(inst) if inst else float("nan")
         state = "killed" if p.killed else ("corrupt (chaos)" if p.corrupt else "ok")
         if not p.killed and not p.corrupt:
             all_ok = all_ok and p.failures == 0 and p.version >= st.final_step
         print(f"{p.name:<10}{p.region:<8}{p.verified:>10} of {expected:<5}{p.failures:>7}"
-              f"{p.leases:>7}{mean:>12.2f}  {state}")
+              f"{p.leases:>7}{mean:>12.2f}{mean_inst:>12.2f}  {state}")
     honest = [p for p in st.peers.values() if not p.killed and not p.corrupt]
     print(f"bit-exact: {sum(p.verified for p in honest)} version installs verified against "
           f"signed roots on {len(honest)} live peers; "
@@ -355,7 +361,8 @@ def _summary_json(st: DemoState, elapsed: float) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 1), "steps": st.steps, "keyframe_bytes": st.keyframe_bytes,
         "peers": {p.name: {"region": p.region, "verified": p.verified, "failures": p.failures,
                            "leases": p.leases, "results": p.results, "killed": p.killed,
-                           "corrupt": p.corrupt, "sync_s": p.sync_s}
+                           "corrupt": p.corrupt, "sync_s": p.sync_s,
+                           "installed_s": p.installed_s}
                   for p in st.peers.values()},
         "lease_stats": st.lease_stats, "egress": st.egress,
     }
@@ -381,7 +388,8 @@ def _plot(st: DemoState, path: Path) -> None:
     ax1.set_title("swarm demo: GRPO on digit sorting, trainer + peers over libp2p")
     for p in st.peers.values():
         xs = [k for k in steps if k in p.sync_s]
-        ax2.plot(xs, [p.sync_s[k] for k in xs], marker=".", label=f"{p.name} sync")
+        ax2.plot(xs, [p.sync_s[k] for k in xs], marker=".",
+                 label=f"{p.name} fetch+verify")
     ax2.plot(steps, [s["rollout_s"] for s in st.steps], "k--", label="rollout (trainer view)")
     ax2.set_xlabel("step")
     ax2.set_ylabel("seconds")

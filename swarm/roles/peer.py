@@ -185,7 +185,7 @@ class RolloutPeer(NodeBase):
                 await self.driver.wait_complete(spec.obj)
             fetched = time.perf_counter() - t0
             try:
-                changed = await self._install(sm, spec)
+                changed, verified_at = await self._install(sm, spec)
             except IntegrityError as exc:
                 self.verify_failures += 1
                 log.error("step %d failed verification: %s", sm.manifest.step, exc)
@@ -199,7 +199,8 @@ class RolloutPeer(NodeBase):
             self._status("verified", {
                 "version": self.version, "kind": sm.manifest.kind,
                 "bytes": sm.manifest.total_bytes, "fetch_s": round(fetched, 3),
-                "sync_s": round(time.perf_counter() - t0, 3), "tensors": len(changed),
+                "sync_s": round(verified_at - t0, 3),
+                "installed_s": round(time.perf_counter() - t0, 3), "tensors": len(changed),
                 "bytes_up": self.driver.exchange.bytes_up,
                 "bytes_down": self.driver.exchange.bytes_down,
             })
@@ -215,8 +216,14 @@ class RolloutPeer(NodeBase):
         slices = piece_slices(layout_of(self.state), sm.manifest.piece_size)
         return {i: piece_bytes(self.state, t, off, n) for i, (t, off, n) in enumerate(slices)}
 
-    async def _install(self, sm: SignedManifest, spec: ObjectSpec) -> frozenset[str]:
-        """Patch (or fill) the canonical state, verify the root, update the engine."""
+    async def _install(self, sm: SignedManifest, spec: ObjectSpec
+                       ) -> tuple[frozenset[str], float]:
+        """Patch (or fill) the canonical state and verify its root while the engine keeps
+        generating; then, at a rollout boundary, update the engine.
+
+        Returns the changed tensor names and when verification finished
+        (``time.perf_counter()``).
+        """
         ex = self.driver.exchange
         chunks = []
         for i in range(len(spec.chunk_ids)):
@@ -236,6 +243,7 @@ class RolloutPeer(NodeBase):
                 patcher.apply(cid, data)
             changed = await asyncio.to_thread(patcher.finish)
             root = sm.manifest.target_root
+        verified_at = time.perf_counter()
         async with self._engine_lock:
             if changed:
                 await asyncio.to_thread(self.engine.apply,
@@ -243,7 +251,7 @@ class RolloutPeer(NodeBase):
             self.version, self.root = sm.manifest.step, root
         async with self._version_changed:
             self._version_changed.notify_all()
-        return changed
+        return changed, verified_at
 
     async def wait_version(self, version: int) -> None:
         """Return once this peer has installed and verified ``version`` (or a later one)."""
