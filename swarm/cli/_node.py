@@ -8,12 +8,12 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarm.identity import Identity
 
 if TYPE_CHECKING:
-    from swarm.net.node import Libp2pNode
+    from swarm.net.node import Libp2pNode, NodeConfig
     from swarm.roles.common import Network
 
 
@@ -52,6 +52,18 @@ async def shaped(node: Libp2pNode, args: argparse.Namespace) -> AsyncIterator[Ne
                       cross_region_latency=args.wan_latency_ms / 1000)
     async with ShapedNetwork(node, cfg, args.region, region_of) as net:
         yield net
+
+
+def node_config(args: argparse.Namespace, **extra: Any) -> NodeConfig:
+    """The libp2p node's settings from the common flags; the data plane listens on the
+    same interface as libp2p (loopback by default)."""
+    from swarm.net.dataplane import DataPlaneConfig
+    from swarm.net.node import NodeConfig
+
+    parts = str(args.listen).split("/")
+    host = parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else "127.0.0.1"
+    extra.setdefault("data_plane", DataPlaneConfig(host=host))
+    return NodeConfig(listen=args.listen, run=args.run, region=args.region, **extra)
 
 
 def load_identity(args: argparse.Namespace) -> Identity:

@@ -11,7 +11,7 @@ import argparse
 import asyncio
 import sys
 
-from swarm.cli._node import add_node_arguments, load_identity, stop_on_signals
+from swarm.cli._node import add_node_arguments, load_identity, node_config, stop_on_signals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,14 +29,13 @@ def run(args: argparse.Namespace) -> int:
 
 async def _main(args: argparse.Namespace) -> int:
     from swarm.net import topics
-    from swarm.net.node import Libp2pNode, NodeConfig
+    from swarm.net.node import Libp2pNode
     from swarm.roles.status import Reporter
 
     identity = load_identity(args)
     report = Reporter("bootstrap", json_out=sys.stdout if args.status_json else None,
                       metrics_port=args.metrics_port)
-    cfg = NodeConfig(listen=args.listen, run=args.run, region=args.region,
-                     bootstrap=tuple(args.peer), data_plane=None)
+    cfg = node_config(args, bootstrap=tuple(args.peer), data_plane=None)
     async with stop_on_signals(), Libp2pNode(identity, cfg) as node:
         print(f"bootstrap node for run {args.run!r} listening on:")
         for addr in node.listen_addresses:

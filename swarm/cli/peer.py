@@ -12,7 +12,7 @@ import asyncio
 import sys
 from typing import Any, cast
 
-from swarm.cli._node import add_node_arguments, load_identity, shaped, stop_on_signals
+from swarm.cli._node import add_node_arguments, load_identity, node_config, shaped, stop_on_signals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ async def _main(args: argparse.Namespace) -> int:
     from swarm.demo.model import build_model, inference_state
     from swarm.engines.torch_engine import TorchEngine
     from swarm.identity import public_key_from_peer_id
-    from swarm.net.node import Libp2pNode, NodeConfig
+    from swarm.net.node import Libp2pNode
     from swarm.roles.peer import PeerConfig, RolloutPeer
     from swarm.roles.status import Reporter
 
@@ -55,8 +55,7 @@ async def _main(args: argparse.Namespace) -> int:
     # trainer's signed keyframe before use (a mismatch fetches the pieces instead).
     state = inference_state(build_model(cfg.model), cfg.inference_dtype)
     engine = TorchEngine(cast(Any, build_model(cfg.model, dtype=torch.bfloat16)))
-    net_cfg = NodeConfig(listen=args.listen, run=args.run, region=args.region,
-                         bootstrap=tuple(args.bootstrap))
+    net_cfg = node_config(args, bootstrap=tuple(args.bootstrap))
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
             shaped(raw, args) as net:
         report.emit("ready", addr=raw.listen_addresses[0], peer_id=identity.peer_id,

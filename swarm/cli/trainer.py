@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from swarm.cli._node import add_node_arguments, load_identity, shaped, stop_on_signals
+from swarm.cli._node import add_node_arguments, load_identity, node_config, shaped, stop_on_signals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ async def _main(args: argparse.Namespace) -> int:
         train_step,
     )
     from swarm.demo.model import build_model, inference_state
-    from swarm.net.node import Libp2pNode, NodeConfig
+    from swarm.net.node import Libp2pNode
     from swarm.protocol.leases import SamplingParams
     from swarm.roles.status import Reporter
     from swarm.roles.trainer import TrainerConfig, TrainerNode
@@ -66,7 +66,7 @@ async def _main(args: argparse.Namespace) -> int:
     identity = load_identity(args)
     report = Reporter("trainer", json_out=sys.stdout if args.status_json else None,
                       metrics_port=args.metrics_port)
-    net_cfg = NodeConfig(listen=args.listen, run=args.run, region=args.region)
+    net_cfg = node_config(args)
     master = build_model(cfg.model)
     optimizer = make_optimizer(master, cfg.lr, cfg.weight_decay, cfg.adam_eps)
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \

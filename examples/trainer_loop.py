@@ -1,0 +1,49 @@
+"""Seed your own RL loop with swarm: the trainer side in a few lines.
+
+Run it, then point volunteers at the printed address:
+    python examples/trainer_loop.py
+    swarm peer --bootstrap <printed address> --trainer <printed peer id>
+
+Replace the tiny demo policy, prompts and reward with your own model and task. The
+peers here run the demo's policy (``swarm peer`` builds it from the same config).
+"""
+
+import asyncio
+from pathlib import Path
+
+from swarm.demo.grpo import Completion, DemoConfig, make_optimizer, rollout_prompts, train_step
+from swarm.demo.model import build_model, inference_state
+from swarm.identity import Identity
+from swarm.net.dataplane import DataPlaneConfig
+from swarm.net.node import Libp2pNode, NodeConfig
+from swarm.protocol.leases import SamplingParams
+from swarm.roles.trainer import TrainerConfig, TrainerNode
+
+
+async def main(steps: int = 10) -> None:
+    cfg = DemoConfig()
+    model = build_model(cfg.model)  # your torch model (fp32 master)
+    opt = make_optimizer(model, cfg.lr)
+    me = Identity.load_or_create(Path(".trainer/node.key"))
+    async with Libp2pNode(me, NodeConfig(listen="/ip4/0.0.0.0/tcp/4002", run="demo",
+                                           data_plane=DataPlaneConfig(host="0.0.0.0"))) as net, \
+            TrainerNode(me, net, TrainerConfig(run="demo", data_dir=Path(".trainer"))) as node:
+        print("trainer at", net.listen_addresses[0])
+        await node.publish(inference_state(model))                        # version 0
+        for step in range(1, steps + 1):
+            prompts = rollout_prompts(cfg, step)
+            tasks = node.add_tasks([(f"{step}-{i}", p) for i, p in enumerate(prompts)],
+                                   group_size=cfg.group_size,
+                                   sampling=SamplingParams(max_new_tokens=cfg.task.completion_len,
+                                                          seed=step))
+            results = {r.task_id: r for a in await node.collect(len(tasks)) for r in a.results}
+            groups = [[Completion(t.prompt_tokens, c.token_ids, c.logprobs)
+                       for c in results[t.task_id].completions] for t in tasks]
+            rewards = [[cfg.task.reward(c.prompt, c.tokens) for c in g] for g in groups]
+            train_step(model, opt, prompts, groups, rewards)
+            pub = await node.publish(inference_state(model))                # sparse delta
+            print(f"step {step}: delta {pub.payload_bytes} bytes ({pub.ratio:.1f}x)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
