@@ -1319,12 +1319,9 @@ class TrainerLeases:
                 peer_version=min(claim.version, self._latest), latest=self._latest,
                 max_staleness=self._cfg.max_staleness, step_interval_s=self._interval,
                 since_publish_s=max(0.0, now - self._last_publish))
+        # A version inside the bound always gets work (at least ``min_tasks``): a trainer
+        # that waits for rollouts before stepping must never be starved by its own forecast.
         speed = self._speeds.effective(peer, claim.tokens_per_s)
-        per_task_s = self._speeds.tokens_per_task / speed if speed > 0 else math.inf
-        if headroom is not None and claim.version < self._latest and headroom < per_task_s:
-            raise _Refused(Reason.STALE_VERSION,
-                           f"version {claim.version} leaves the staleness bound in "
-                           f"{headroom:.1f}s, before one task is done; finish updating")
         plan = plan_lease(sched, speed=speed, tokens_per_task=self._speeds.tokens_per_task,
                           want=claim.want, available=len(self._queue) or len(backups),
                           headroom_s=headroom)
