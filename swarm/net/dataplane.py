@@ -63,8 +63,9 @@ _WRITE_SLICE = 1 << 20
 class DataPlaneConfig:
     """Settings of the direct data plane."""
 
-    #: Interface to listen on.
-    host: str = "127.0.0.1"
+    #: Interface to listen on. Empty: inside a :class:`~swarm.net.node.Libp2pNode`, the
+    #: interface of its libp2p listen address; standalone, 127.0.0.1.
+    host: str = ""
     #: TCP port to listen on (0: any free port).
     port: int = 0
     #: Accept inbound connections (False: dial only).
@@ -478,7 +479,8 @@ class DataPlane:
         if self.config.listen:
             loop = asyncio.get_running_loop()
             self._server = await loop.create_server(
-                self._accept, self.config.host, self.config.port, reuse_address=True)
+                self._accept, self.config.host or "127.0.0.1", self.config.port,
+                reuse_address=True)
             sockname = self._server.sockets[0].getsockname()
             self._address = (str(sockname[0]), int(sockname[1]))
         return self

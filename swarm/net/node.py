@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -140,6 +141,17 @@ class _DeepQueues(dict[Any, Any]):
         else:
             logger.warning("py-libp2p RpcQueue changed shape; outbound queue stays shallow")
         super().__setitem__(key, queue)
+
+
+_UNSPECIFIED = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def _listen_host(listen: str) -> str:
+    """The interface of a ``/ip4/A/tcp/P`` listen multiaddr (127.0.0.1 if unparsable)."""
+    parts = listen.split("/")
+    if len(parts) >= 3 and parts[1] in ("ip4", "ip6") and parts[2]:
+        return parts[2]
+    return "127.0.0.1"
 
 
 def _peer_str(peer: Any) -> str:
@@ -295,7 +307,10 @@ class Libp2pNode:
             self._guest = await self._stack.enter_async_context(trio_guest())
             route_libp2p_logging()
             if self.config.data_plane is not None:
-                self.plane = DataPlane(self.identity, self.config.data_plane,
+                dp_cfg = self.config.data_plane
+                if not dp_cfg.host:
+                    dp_cfg = dataclasses.replace(dp_cfg, host=_listen_host(self.config.listen))
+                self.plane = DataPlane(self.identity, dp_cfg,
                                        inbox=self._inbox, on_event=self._on_plane_event,
                                        scores=self._scores)
                 await self._stack.enter_async_context(self.plane)
@@ -483,7 +498,7 @@ class Libp2pNode:
                     f"the node at {address} did not prove peer id {peer} (Noise handshake "
                     f"failed: wrong peer id in the address, or not a libp2p node)") from exc
             raise PeerUnreachable(f"libp2p dial of {address} failed: {exc}") from exc
-        await self._establish(peer)
+        await self._establish(peer, target.host)
         return peer
 
     async def _trio_connect(self, address: str) -> None:
@@ -495,7 +510,7 @@ class Libp2pNode:
             raise TransportClosed("node is closed")
         await host.connect(info_from_p2p_addr(Multiaddr(address)))
 
-    async def _establish(self, peer: str) -> None:
+    async def _establish(self, peer: str, dialed_host: str) -> None:
         """Pick the path to a libp2p-connected peer: data plane if possible, else streams."""
         guest = self._check_open()
         if self.plane is not None:
@@ -510,6 +525,8 @@ class Libp2pNode:
                             peer, exc)
             if meta is not None and meta.data_addr:
                 host, _, port = meta.data_addr.rpartition(":")
+                if host in _UNSPECIFIED:  # it listens on every interface: use the one we dialed
+                    host = dialed_host
                 try:
                     await self.plane.connect(host, int(port), peer)
                     return
