@@ -162,6 +162,11 @@ async def test_five_nodes_join_gossip_reject_forgeries_and_transfer() -> None:
         while b.peer_id not in a.directory():
             assert loop.time() < deadline, "peer metadata did not propagate"
             await asyncio.sleep(0.1)
+        b.update_metadata(bandwidth=12_500_000, region="eu")
+        while a.directory()[b.peer_id].region != "eu":
+            assert loop.time() < deadline, "updated metadata did not propagate"
+            await asyncio.sleep(0.1)
+        assert a.directory()[b.peer_id].bandwidth == 12_500_000
         addr = a.directory()[b.peer_id].addrs[0]
         assert await a.connect(addr) == b.peer_id
         assert a.path(b.peer_id) is Path.DIRECT

@@ -295,6 +295,8 @@ class Libp2pNode:
         self._directory: dict[str, topics.PeerMetadata] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._meta_bytes = b""
+        self._region = self.config.region
+        self._bandwidth = 0
         self._entered = False
         self._closed = False
 
@@ -733,8 +735,23 @@ class Libp2pNode:
         data = self.config.data_plane_advertise
         if not data and self.plane is not None and self.plane.address is not None:
             data = f"{self.plane.address[0]}:{self.plane.address[1]}"
-        return topics.PeerMetadata(self.listen_addresses, data, self.config.region, 0,
+        return topics.PeerMetadata(self.listen_addresses, data, self._region, self._bandwidth,
                                    int(time.time() * 1000))
+
+    def update_metadata(self, *, bandwidth: int | None = None, region: str | None = None
+                        ) -> None:
+        """Change what this node says about itself (measured uplink in bytes per second,
+        region label); published with the next metadata round and served on request."""
+        if bandwidth is not None:
+            if not 0 <= bandwidth < 1 << 62:
+                raise ValueError("bandwidth out of range")
+            self._bandwidth = bandwidth
+        if region is not None:
+            if len(region) > 64:
+                raise ValueError("region labels are at most 64 characters")
+            self._region = region
+        if self._host is not None:
+            self._meta_bytes = self._signed_metadata(META_PROTOCOL)
 
     def _signed_metadata(self, topic: str) -> bytes:
         return topics.SignedEnvelope.seal(self.identity, topic, self._metadata().encode()
