@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -80,3 +81,30 @@ async def test_trainer_and_three_peers_follow_versions_and_do_work(tmp_path: Pat
         assert set(trainer.leases.stats.refused) <= {"no_work"}
     verified = [e for e in events if e[1] == "verified"]
     assert len(verified) == 9  # 3 peers x (keyframe + 2 deltas)
+
+
+async def test_late_joiner_with_other_weights_catches_up_by_keyframe(tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=2)
+    trainer_id = Identity.from_seed(b"K" * 32)
+    master = build_model(CFG)
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+        await trainer.publish(inference_state(master))
+        for step in (1, 2, 3):
+            _nudge(master, step)
+            await trainer.publish(inference_state(master))
+        ident = Identity.from_seed(b"L" * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        await pnet.connect(tnet.listen_addresses[0])
+        other = dataclasses.replace(CFG, seed=99)  # a wrong local checkpoint
+        late = await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
+            inference_state(build_model(other)),
+            TorchEngine(build_model(other, dtype=torch.bfloat16))))
+        async with asyncio.timeout(30):
+            await late.wait_version(3)
+        want = state_root_of(inference_state(master), PIECE)
+        assert late.root == want and state_root_of(late.state, PIECE) == want
+        assert late.verified == 1  # one keyframe of version 3, no replay of old deltas

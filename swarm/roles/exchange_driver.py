@@ -52,6 +52,7 @@ class ExchangeDriver:
         self._kick = asyncio.Event()
         self._links: dict[str, _Link] = {}
         self._complete: dict[bytes, asyncio.Event] = {}
+        self._objects: set[bytes] = set()
         self._tasks: list[asyncio.Task[None]] = []
         #: Chaos switch for demos and tests: flip one byte of every piece we upload.
         self.corrupt_uploads = False
@@ -76,7 +77,11 @@ class ExchangeDriver:
         self._links.clear()
 
     # -- what the role calls -----------------------------------------------------------
+    def has_object(self, obj: bytes) -> bool:
+        return obj in self._objects
+
     def add_object(self, spec: ObjectSpec, data: Mapping[int, bytes] | None = None) -> None:
+        self._objects.add(spec.obj)
         self._complete.setdefault(spec.obj, asyncio.Event())
         self.exchange.add_object(spec, self.now(), data)
         self._pump()

@@ -81,6 +81,7 @@ class RolloutPeer(NodeBase):
         self.leases = PeerLeases(identity, self.trainer_key, config.run)
         self._status = status or (lambda event, fields: None)
         self._manifests: dict[int, SignedManifest] = {}
+        self._jump: SignedManifest | None = None
         self._new_manifest = asyncio.Event()
         self._engine_lock = asyncio.Lock()
         self._version_changed = asyncio.Condition()
@@ -135,9 +136,22 @@ class RolloutPeer(NodeBase):
         except SwarmError as exc:
             log.warning("dropped a manifest: %s", exc)
             return
-        if sm.manifest.run != self.config.run or sm.manifest.step <= self.version:
+        m = sm.manifest
+        if m.run != self.config.run:
             return
-        self._manifests.setdefault(sm.manifest.step, sm)
+        if m.kind == "keyframe" and m.step == self.version and m.target_root == self.root:
+            # A keyframe of the version we hold: seed its pieces for newcomers.
+            spec = ObjectSpec.from_manifest(sm)
+            if not self.driver.has_object(spec.obj):
+                self.driver.add_object(spec, self._pieces_of_local(sm))
+            return
+        if m.step <= self.version:
+            return
+        if m.kind == "keyframe" and m.step > self.version + 1:
+            # Too far behind for the deltas we hold: jump by the keyframe's pieces.
+            self._manifests = {s: x for s, x in self._manifests.items() if s > m.step}
+            self._jump = sm
+        self._manifests.setdefault(m.step, sm)
         self._new_manifest.set()
 
     async def _manifest_feed(self, sub: Subscription) -> None:
@@ -162,6 +176,10 @@ class RolloutPeer(NodeBase):
                     self._offer(data)
 
     def _next_manifest(self) -> SignedManifest | None:
+        if self._jump is not None:
+            jump, self._jump = self._jump, None
+            if jump.manifest.step > self.version:
+                return jump
         if self.version < 0:
             frames = [m for m in self._manifests.values() if m.manifest.kind == "keyframe"]
             return max(frames, key=lambda m: m.manifest.step) if frames else None

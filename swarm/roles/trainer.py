@@ -27,7 +27,7 @@ from swarm.content.manifest import SignedManifest
 from swarm.content.pieces import DEFAULT_PIECE_SIZE, piece_slices
 from swarm.delta.pipeline import EncoderConfig, encode_delta
 from swarm.delta.state import keyframe_manifest, layout_of, piece_bytes, state_root_of
-from swarm.errors import DecodeError, LocalProtocolError
+from swarm.errors import DecodeError
 from swarm.identity import Identity
 from swarm.net import topics
 from swarm.protocol.exchange import ExchangeConfig, ObjectSpec
@@ -97,6 +97,7 @@ class TrainerNode(NodeBase):
         self.manifests: deque[SignedManifest] = deque(maxlen=config.keep_versions + 1)
         self._state: dict[str, torch.Tensor] | None = None
         self._root: bytes | None = None
+        self._keyframe: SignedManifest | None = None
         self._accepted: asyncio.Queue[Accepted] = asyncio.Queue()
         self._lease_wake = asyncio.Event()
 
@@ -208,22 +209,50 @@ class TrainerNode(NodeBase):
             if not isinstance(req, sync.SyncRequest):
                 self.net.penalize(msg.peer_id, "sync: a trainer takes requests only")
                 continue
-            chain = self._chain_after(req.after_step)
+            chain = await self._chain_after(req.after_step)
             try:
                 await self.mux.send(Channel.SYNC, msg.peer_id,
                                     sync.encode(sync.SyncReply(tuple(m.encode() for m in chain))))
             except Exception as exc:
                 log.info("could not answer sync of %s: %s", msg.peer_id, exc)
 
-    def _chain_after(self, after_step: int) -> list[SignedManifest]:
-        """Manifests a peer at ``after_step`` needs: deltas after it, or keyframe + deltas."""
+    async def _chain_after(self, after_step: int) -> list[SignedManifest]:
+        """What a peer at ``after_step`` needs: the cheaper of the delta chain from its
+        version or a keyframe of the current state (whose pieces any peer at the current
+        version can serve too)."""
         kept = list(self.manifests)
-        steps = [m.manifest.step for m in kept]
-        if after_step >= 0 and after_step + 1 in steps:
-            chain = [m for m in kept if m.manifest.step > after_step]
-        else:
-            keyframes = [i for i, m in enumerate(kept) if m.manifest.kind == "keyframe"]
-            if not keyframes:
-                raise LocalProtocolError("no keyframe kept; cannot bring a newcomer up")
-            chain = kept[keyframes[-1]:]
-        return chain[:sync.MAX_MANIFESTS_PER_REPLY]
+        if not kept:
+            return []
+        deltas = [m for m in kept if m.manifest.step > after_step]
+        chain_ok = after_step >= 0 and bool(deltas) and deltas[0].manifest.step == after_step + 1
+        if chain_ok and all(m.manifest.kind == "delta" for m in deltas):
+            dense = self._state_bytes()
+            if sum(m.manifest.total_bytes for m in deltas) < dense:
+                return deltas[:sync.MAX_MANIFESTS_PER_REPLY]
+        if after_step == kept[-1].manifest.step:
+            return []
+        return [await self._current_keyframe()]
+
+    def _state_bytes(self) -> int:
+        return 0 if self._state is None else layout_of(self._state).nbytes
+
+    async def _current_keyframe(self) -> SignedManifest:
+        """A keyframe of the newest version (made once per version, then seeded)."""
+        newest = self.manifests[-1]
+        if newest.manifest.kind == "keyframe":
+            return newest
+        step = newest.manifest.step
+        if self._keyframe is not None and self._keyframe.manifest.step == step:
+            return self._keyframe
+        assert self._state is not None
+        state = self._state
+        sm = await asyncio.to_thread(keyframe_manifest, state, self.identity, self.config.run,
+                                     step, piece_size=self.config.piece_size,
+                                     time_ms=int(time.time() * 1000))
+        slices = piece_slices(layout_of(state), self.config.piece_size)
+        self.driver.add_object(ObjectSpec.from_manifest(sm),
+                               {i: piece_bytes(state, t, off, n)
+                                for i, (t, off, n) in enumerate(slices)})
+        await self.net.publish(topics.manifests(self.config.run), sm.encode())
+        self._keyframe = sm
+        return sm
