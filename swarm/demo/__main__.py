@@ -12,6 +12,8 @@ import dataclasses
 import sys
 import time
 
+import torch
+
 from swarm.demo.grpo import DemoConfig, StepRecord, run_local, summarize
 
 
@@ -26,13 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=d.num_peers)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=d.inference_dtype,
                    help="dtype of the published inference state")
+    p.add_argument("--staleness", type=int, default=d.staleness,
+                   help="versions the peers' weights lag behind the trainer's")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1 is fastest on a small shared CPU)")
     p.add_argument("--sweep-lr", default="", help="comma-separated learning rates")
     args = p.parse_args(argv)
     base = dataclasses.replace(d, steps=args.steps, lr=args.lr,
                                prompts_per_step=args.prompts, group_size=args.group,
                                num_peers=args.peers, inference_dtype=args.dtype,
-                               seed=args.seed)
+                               staleness=args.staleness, seed=args.seed)
+    torch.set_num_threads(args.threads)
     if args.sweep_lr:
         print(f"{'lr':>8} {'reward first5':>13} {'last5':>6} {'solved last5':>12} "
               f"{'density mean':>12} {'last5':>6} {'seconds':>7}")

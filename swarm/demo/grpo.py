@@ -22,6 +22,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,10 +256,10 @@ def train_step(
     )
 
 
-def make_optimizer(model: torch.nn.Module, lr: float,
-                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
+                   eps: float = 1e-8) -> torch.optim.Optimizer:
     """The trainer's AdamW."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99),
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), eps=eps,
                              weight_decay=weight_decay)
 
 
@@ -284,10 +285,18 @@ class DemoConfig:
     """Completions sampled per prompt (the GRPO group)."""
     num_peers: int = 4
     """Rollout peers the prompts are split over."""
-    lr: float = 2e-3
-    """AdamW learning rate of the fp32 master."""
+    lr: float = 3e-2
+    """AdamW learning rate of the fp32 master. With ``adam_eps`` 0.1 the step of a weight
+    is about ``lr / adam_eps`` times its (clipped) gradient: the effective rate is 0.3."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_eps: float = 0.1
+    """AdamW epsilon, far above the default 1e-8 on purpose: Adam's normalised step moves
+    every weight with any gradient by about ``lr``, which at a rate that learns in 40
+    steps flips the bf16 bits of 90% of the elements each step. An epsilon above the
+    typical gradient makes small-gradient weights move in proportion to their gradient,
+    so most stay within half a bf16 ULP and the published delta is 30-40% dense at the
+    same learning speed (see the report in ``python -m swarm.demo --sweep-lr``)."""
     temperature: float = 1.0
     """Sampling temperature (the log-probs are taken at this temperature)."""
     clip_eps: float = 0.2
@@ -296,12 +305,17 @@ class DemoConfig:
     """Gradient norm clip."""
     inference_dtype: str = "bfloat16"
     """dtype of the published state peers generate with: bfloat16 or float32."""
+    staleness: int = 0
+    """Versions the peers' weights lag behind the trainer's (0: on-policy). A swarm peer
+    keeps generating with ``v - 1`` while it fetches ``v``, so 1 is the realistic case."""
     seed: int = 0
     """Seed of prompts and sampling."""
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.prompts_per_step < 1 or self.group_size < 2:
             raise LocalProtocolError("steps >= 0, prompts_per_step >= 1, group_size >= 2")
+        if self.staleness < 0:
+            raise LocalProtocolError("staleness must be >= 0")
         if self.num_peers < 1 or self.prompts_per_step % self.num_peers:
             raise LocalProtocolError("prompts_per_step must be a multiple of num_peers")
         if self.inference_dtype not in INFERENCE_DTYPES:
@@ -317,7 +331,8 @@ class StepRecord:
     step: int
     """Version trained by this step (1 = first update)."""
     reward: float
-    """Mean reward of this step's rollouts (sampled from version ``step - 1``)."""
+    """Mean reward of this step's rollouts (sampled from version
+    ``step - 1 - staleness``, or the base)."""
     solved: float
     """Fraction of this step's rollouts that were exactly right."""
     delta_density: float
@@ -325,7 +340,7 @@ class StepRecord:
     rollout_s: float
     """Seconds spent generating (all peers, one after another)."""
     train_s: float
-    """Seconds of the trainer's update and publication."""
+    """Seconds of the trainer's update and of casting and diffing the new state."""
     metrics: StepMetrics
 
 
@@ -346,19 +361,21 @@ def run_local(cfg: DemoConfig,
     """Train for ``cfg.steps`` steps in this process, peers and trainer alike.
 
     The trainer keeps the fp32 master and publishes the inference state after every step;
-    each simulated peer holds its own model, patched from the published state, and
-    generates its quarter (1/num_peers) of the prompts with its own seed. Rewards are
-    computed by the trainer.
+    each simulated peer holds its own model, loaded from a published state
+    (``cfg.staleness`` versions old), and generates its share (1/num_peers) of the prompts
+    with its own seed. Rewards are computed by the trainer.
     """
-    torch_threads = torch.get_num_threads()
-    log.debug("run_local: %d steps, %d torch threads", cfg.steps, torch_threads)
+    log.debug("run_local: %d steps on %d torch threads", cfg.steps, torch.get_num_threads())
     master = build_model(cfg.model)
-    optimizer = make_optimizer(master, cfg.lr, cfg.weight_decay)
+    optimizer = make_optimizer(master, cfg.lr, cfg.weight_decay, cfg.adam_eps)
     state = inference_state(master, cfg.inference_dtype)
     peers = [model_from_state(cfg.model, state) for _ in range(cfg.num_peers)]
+    published = deque([state], maxlen=cfg.staleness + 1)
     records: list[StepRecord] = []
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
+        for peer in peers:
+            load_state(peer, published[0])
         prompts = rollout_prompts(cfg, step)
         groups: list[list[Completion]] = []
         for i, peer in enumerate(peers):
@@ -375,8 +392,7 @@ def run_local(cfg: DemoConfig,
         new_state = inference_state(master, cfg.inference_dtype)
         density = delta_density(state, new_state)
         state = new_state
-        for peer in peers:
-            load_state(peer, state)
+        published.append(state)
         t2 = time.perf_counter()
         rec = StepRecord(step=step, reward=metrics.reward_mean,
                          solved=solved / (len(groups) * cfg.group_size),
