@@ -535,6 +535,9 @@ def test_plan_lease_bounds() -> None:
                               since_publish_s=0) is None
     assert staleness_headroom(peer_version=3, latest=5, max_staleness=2, step_interval_s=10,
                               since_publish_s=4) == pytest.approx(6.0)
+    # An overdue step is imminent, but the peer at the latest version still has k intervals.
+    assert staleness_headroom(peer_version=5, latest=5, max_staleness=2, step_interval_s=10,
+                              since_publish_s=100) == pytest.approx(20.0)
     table = SpeedTable(cfg)
     assert table.effective("p", 100.0) == 100.0
     table.observe("p", tokens=100, tasks=2, seconds=10.0)

@@ -137,8 +137,11 @@ def staleness_headroom(*, peer_version: int, latest: int, max_staleness: int,
     """Seconds until ``peer_version`` falls out of the bound ``version >= latest - k``.
 
     Estimated from the trainer's observed step interval; ``None`` when no interval is known.
+    An overdue step counts as imminent, but later steps still take a whole interval each
+    (a trainer that waits for rollouts must not shrink every lease to nothing).
     """
     if step_interval_s is None:
         return None
     steps_left = peer_version - (latest - max_staleness) + 1
-    return max(0.0, steps_left * step_interval_s - since_publish_s)
+    elapsed = min(since_publish_s, step_interval_s)
+    return max(0.0, steps_left * step_interval_s - elapsed)
