@@ -64,9 +64,19 @@ async def two_node_session() -> None:
         a = await stack.enter_async_context(Libp2pNode(ident(1)))
         b = await stack.enter_async_context(
             Libp2pNode(ident(2), NodeConfig(bootstrap=a.listen_addresses)))
+        c = await stack.enter_async_context(Libp2pNode(
+            ident(3), NodeConfig(data_plane=None, bootstrap=a.listen_addresses)))
         assert b.path(a.peer_id) is Path.DIRECT
+        assert c.path(a.peer_id) is Path.LIBP2P
         await transfer_and_verify(b, a, 1)
         await transfer_and_verify(a, b, 2)
+        await transfer_and_verify(c, a, 3)
+        topic = topics.have("fd")
+        sub = await stack.enter_async_context(await c.subscribe(topic))
+        await b.wait_for_mesh(topic, 0)
+        await a.wait_for_mesh(topic, 1)
+        await a.publish(topic, b"hello")
+        assert (await asyncio.wait_for(sub.get(), 10)).data == b"hello"
 
 
 async def test_two_nodes_direct_transfer_and_no_leaked_descriptors() -> None:
