@@ -247,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     if args.size <= 0:
         raise SystemExit("--size must be positive")
     print(f"swarm bench transport: loopback, {MESSAGE >> 20} MiB messages, sender and "
-          f"receiver in one process (CPU covers both ends)")
+          f"receiver in one process (CPU covers both ends; py-libp2p's N connections are "
+          f"N concurrent streams on one connection)")
     _print(asyncio.run(_main(args)))
     return 0
