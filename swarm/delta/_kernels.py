@@ -16,6 +16,7 @@ import numba as nb  # type: ignore[import-untyped,import-not-found,unused-ignore
 import numpy as np
 
 ONE = np.uint64(1)
+ZERO = np.uint64(0)
 ESCAPE = 255
 RICE_KMAX = 24
 RICE_QMAX = 24
@@ -42,24 +43,52 @@ def scan_changes(old, new, shift, emask, signbit, full,  # type: ignore[no-untyp
                  counts, cls_out, rank_out, d_out):
     """One pass: class rank of every element, and (class, rank, key diff) of each change.
 
+    Elements go four at a time: ``counts`` has four rows (element index mod 4) so that
+    consecutive increments do not wait on each other, and a group of four unchanged
+    elements only counts. An element's rank in its class is the sum of the four rows.
     Returns the number of changes, or -1 when ``cls_out`` is too small.
     """
     n = old.shape[0]
+    n4 = n - (n & 3)
     cap = cls_out.shape[0]
     k = 0
-    for i in range(n):
+    for i in range(0, n4, 4):
+        x0 = np.uint64(old[i])
+        x1 = np.uint64(old[i + 1])
+        x2 = np.uint64(old[i + 2])
+        x3 = np.uint64(old[i + 3])
+        diff = ((x0 ^ np.uint64(new[i])) | (x1 ^ np.uint64(new[i + 1]))
+                | (x2 ^ np.uint64(new[i + 2])) | (x3 ^ np.uint64(new[i + 3])))
+        if diff == ZERO:
+            counts[0, (x0 >> shift) & emask] += 1
+            counts[1, (x1 >> shift) & emask] += 1
+            counts[2, (x2 >> shift) & emask] += 1
+            counts[3, (x3 >> shift) & emask] += 1
+        else:
+            for j in range(4):
+                b = np.uint64(old[i + j])
+                e = (b >> shift) & emask
+                c = np.uint64(new[i + j])
+                if b != c:
+                    if k == cap:
+                        return -1
+                    cls_out[k] = e
+                    rank_out[k] = counts[0, e] + counts[1, e] + counts[2, e] + counts[3, e]
+                    d_out[k] = (_key(c, signbit, full) - _key(b, signbit, full)) & full
+                    k += 1
+                counts[j, e] += 1
+    for i in range(n4, n):
         b = np.uint64(old[i])
         e = (b >> shift) & emask
-        r = counts[e]
-        counts[e] = r + 1
         c = np.uint64(new[i])
         if b != c:
             if k == cap:
                 return -1
             cls_out[k] = e
-            rank_out[k] = r
+            rank_out[k] = counts[0, e] + counts[1, e] + counts[2, e] + counts[3, e]
             d_out[k] = (_key(c, signbit, full) - _key(b, signbit, full)) & full
             k += 1
+        counts[i & 3, e] += 1
     return k
 
 
@@ -170,9 +199,9 @@ def group_encode(cls, rank, d, k, nclass, nbytes_val, full, half,  # type: ignor
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_ranks(ccounts, kparams, gaps, ranks_out, limit):  # type: ignore[no-untyped-def]
-    """Rice-coded rank gaps -> class ranks, grouped by class. 0 ok, 1 truncated,
-    2 trailing bytes or bits, 3 non-canonical escape, 4 rank past the segment."""
+def decode_gaps(ccounts, kparams, gaps, gaps_out, limit):  # type: ignore[no-untyped-def]
+    """Rice-coded rank gaps, grouped by class. 0 ok, 1 truncated, 2 trailing bytes or
+    bits, 3 non-canonical escape, 4 rank past the segment."""
     nbits = gaps.shape[0] * 8
     b = 0
     p = 0
@@ -209,7 +238,7 @@ def decode_ranks(ccounts, kparams, gaps, ranks_out, limit):  # type: ignore[no-u
             last = last + 1 + v
             if last >= limit:
                 return 4
-            ranks_out[p] = last
+            gaps_out[p] = v
             p += 1
     if (b + 7) // 8 != gaps.shape[0]:
         return 2
@@ -221,27 +250,29 @@ def decode_ranks(ccounts, kparams, gaps, ranks_out, limit):  # type: ignore[no-u
 
 
 @nb.njit(cache=True, nogil=True)
-def locate(old, shift, emask, class_start, class_end, ranks, pos_out):  # type: ignore[no-untyped-def]
-    """One pass over the old values: class ranks -> element positions. 0 ok, 1 a rank
-    is past its class population."""
+def locate(old, shift, emask, class_start, class_end, gaps, pos_out):  # type: ignore[no-untyped-def]
+    """One pass over the old values: rank gaps -> element positions, grouped by class.
+
+    Each class counts down the gap to its next change. Returns 0, or 1 when a class
+    runs out of elements before its last change.
+    """
     nclass = class_start.shape[0]
     ptr = class_start.copy()
-    nxt = np.full(nclass, -1, np.int64)
+    left = np.full(nclass, -1, np.int64)
     for e in range(nclass):
         if ptr[e] < class_end[e]:
-            nxt[e] = ranks[ptr[e]]
-    cnt = np.zeros(nclass, np.int64)
+            left[e] = gaps[ptr[e]]
     n = old.shape[0]
     for i in range(n):
         e = (np.uint64(old[i]) >> shift) & emask
-        r = cnt[e]
-        cnt[e] = r + 1
-        if r == nxt[e]:
+        x = left[e]
+        left[e] = x - 1
+        if x == 0:
             p = ptr[e]
             pos_out[p] = i
             p += 1
             ptr[e] = p
-            nxt[e] = ranks[p] if p < class_end[e] else -1
+            left[e] = gaps[p] if p < class_end[e] else -1
     for e in range(nclass):
         if ptr[e] != class_end[e]:
             return 1

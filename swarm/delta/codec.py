@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,7 +94,7 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
                    ) -> EncodedSegment | None:
     """Encode the changed bits between two equal-length unsigned views; None if none."""
     n = old.shape[0]
-    counts = np.zeros(fmt.nclass, np.int64)
+    counts = np.zeros((4, fmt.nclass), np.int64)
     cap = max(1024, n // 16)
     while True:
         cls = np.empty(cap, np.uint16)
@@ -192,16 +193,14 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> list[list[object]]:
     return segs
 
 
-def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits],
-                   prev_end: tuple[int, int]) -> SegmentChange:
+def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
+                   ) -> SegmentChange:
     """Decode one parsed segment against the current (old) values; writes nothing."""
     tensor, start, count, changes = (int(x) for x in seg[:4])  # type: ignore[call-overload]
     classes, gaps, signs, mags = (bytes(x) for x in seg[4:])  # type: ignore[call-overload]
     if not 0 <= tensor < len(layout):
         raise DecodeError(f"chunk: tensor index {tensor} outside the layout")
     spec = layout.tensors[tensor]
-    if (tensor, start) < prev_end:
-        raise DecodeError("chunk: segments overlap or are out of order")
     if not (start >= 0 and 0 < count <= SEGMENT_ELEMS and start + count <= spec.numel):
         raise DecodeError(f"chunk: segment [{start}, +{count}) outside {spec.name}")
     if not 0 < changes <= count:
@@ -222,8 +221,8 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
         raise DecodeError("chunk: gap stream is longer than its changes allow")
     gap_bytes = np.frombuffer(gaps, np.uint8)
     mag_bytes = _unzstd(mags, (1 + fmt.nbytes) * changes, "magnitude")
-    ranks = np.empty(changes, np.int64)
-    err = K.decode_ranks(ccounts, kparams, gap_bytes, ranks, count)
+    gapv = np.empty(changes, np.int64)
+    err = K.decode_gaps(ccounts, kparams, gap_bytes, gapv, count)
     if err:
         raise DecodeError(f"chunk: bad gap stream (code {err})")
     diffs = np.empty(changes, fmt.uint)
@@ -238,7 +237,7 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     class_end[ids] = ends
     pos = np.empty(changes, np.int64)
     old = views[tensor][start:start + count]
-    err = K.locate(old, U64(fmt.shift), U64(fmt.emask), class_start, class_end, ranks, pos)
+    err = K.locate(old, U64(fmt.shift), U64(fmt.emask), class_start, class_end, gapv, pos)
     if err:
         raise DecodeError("chunk: a change's rank is past its class population")
     pos += start
@@ -246,19 +245,25 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
 
 
 def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
-                 views: Sequence[Bits]) -> AppliedChunk:
+                 views: Sequence[Bits], executor: Executor | None = None) -> AppliedChunk:
     """Decode and check a whole chunk against the state's current values; writes nothing.
+
+    With ``executor``, segments are decoded in parallel on its threads.
 
     :raises DecodeError: the chunk is corrupt, truncated, oversized or does not fit the
         layout.
     """
     segs = parse_chunk(data)
-    out = []
     prev = (-1, 0)
     for seg in segs:
-        change = decode_segment(seg, layout, views, prev)
-        prev = (change.tensor, int(seg[1]) + int(seg[2]))  # type: ignore[call-overload]
-        out.append(change)
+        tensor, start, count = (int(x) for x in seg[:3])  # type: ignore[call-overload]
+        if (tensor, start) < prev:
+            raise DecodeError("chunk: segments overlap or are out of order")
+        prev = (tensor, start + count)
+    if executor is not None and len(segs) > 1:
+        out = list(executor.map(lambda s: decode_segment(s, layout, views), segs))
+    else:
+        out = [decode_segment(s, layout, views) for s in segs]
     names = frozenset(layout.tensors[s.tensor].name for s in out)
     return AppliedChunk(tuple(out), names)
 

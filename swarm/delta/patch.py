@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from concurrent.futures import Executor
 
 import torch
 
@@ -34,8 +35,11 @@ class Patcher:
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], signed: SignedManifest, *,
-                 current_root: bytes | None = None) -> None:
-        """:raises IntegrityError: wrong layout or base root.
+                 current_root: bytes | None = None, executor: Executor | None = None) -> None:
+        """``current_root`` skips hashing when the caller knows the state's root;
+        ``executor`` decodes a chunk's segments in parallel.
+
+        :raises IntegrityError: wrong layout or base root.
         :raises LocalProtocolError: not a delta manifest of this codec."""
         m = signed.manifest
         if m.kind != "delta" or m.codec != CODEC_NAME:
@@ -56,6 +60,7 @@ class Patcher:
         self._done: set[bytes] = set()
         self._changed: set[str] = set()
         self._closed = False
+        self._executor = executor
 
     @property
     def missing(self) -> frozenset[bytes]:
@@ -84,7 +89,7 @@ class Patcher:
             return frozenset()
         if len(data) != size or chunk_id(data) != cid:
             raise IntegrityError(f"chunk {hex_id(cid, True)} does not match its id")
-        decoded = decode_chunk(data, self._layout, self._views)
+        decoded = decode_chunk(data, self._layout, self._views, self._executor)
         apply_decoded(self._layout, self._views, decoded)
         self._applied.append(decoded)
         self._done.add(cid)
