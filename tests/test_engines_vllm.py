@@ -175,7 +175,8 @@ from swarm.engines.torch_engine import TorchEngine, random_qwen3
 from swarm.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 
 model_dir = sys.argv[1]
-model = random_qwen3(init_std=0.5, seed=3)
+# Untied output head, and a vocabulary vLLM pads (250 -> 256 rows).
+model = random_qwen3(init_std=0.5, seed=3, vocab_size=250, tie_word_embeddings=False)
 model.save_pretrained(model_dir)
 greedy = Sampling(max_tokens=12, temperature=0)
 prompts = [[1, 2, 3], [40, 41, 42, 43]]
@@ -183,29 +184,34 @@ report = {}
 with TorchEngine(model) as te, VLLMEngine(VLLMEngineConfig(
         model_dir=model_dir, max_model_len=64, in_process=False, kv_cache_bytes=32 << 20)) as ve:
     report["digests_before"] = ve.tensor_digests() == te.tensor_digests()
-    report["tokens_before"] = [c.token_ids for c in ve.generate(prompts, greedy)] == [
-        c.token_ids for c in te.generate(prompts, greedy)]
+    before = [c.token_ids for c in te.generate(prompts, greedy)]
+    report["tokens_before"] = [c.token_ids for c in ve.generate(prompts, greedy)] == before
     gen = torch.Generator().manual_seed(9)
-    name = "model.layers.0.self_attn.v_proj.weight"
-    dense = te.model.state_dict()[name].detach().clone()
-    dense += torch.randn(dense.shape, generator=gen)
+    dense = {}
+    for name in ("model.layers.0.self_attn.v_proj.weight", "lm_head.weight"):
+        dense[name] = te.model.state_dict()[name].detach().clone()
+        dense[name] += torch.randn(dense[name].shape, generator=gen)
     idx = torch.arange(0, 64 * 64, 7)
     vals = torch.randn(idx.numel(), generator=gen)
-    te.apply({name: dense})
+    te.apply(dense)
     flat = te.model.state_dict()["model.layers.1.mlp.up_proj.weight"].view(-1)
     flat.index_copy_(0, idx, vals)
-    ve.apply({name: dense})
+    ve.apply(dense)
     ve.apply_sparse({"model.layers.1.mlp.up_proj.weight": (idx, vals)})
     report["digests_after"] = ve.tensor_digests() == te.tensor_digests()
-    report["tokens_after"] = [c.token_ids for c in ve.generate(prompts, greedy)] == [
-        c.token_ids for c in te.generate(prompts, greedy)]
+    after = [c.token_ids for c in te.generate(prompts, greedy)]
+    report["tokens_after"] = [c.token_ids for c in ve.generate(prompts, greedy)] == after
+    report["tokens_changed"] = after != before
 print("REPORT " + json.dumps(report))
 """
 
 
 @pytest.mark.slow
 def test_multiprocess_vllm_takes_updates_as_bytes(tmp_path: Path) -> None:
-    """vLLM's engine core in a child process: update tensors travel as raw bytes."""
+    """vLLM's engine core in a child process: update tensors travel as raw bytes.
+
+    The model has an untied output head and a vocabulary that vLLM pads.
+    """
     proc = subprocess.run(
         [sys.executable, "-c", MULTIPROCESS_SCRIPT, str(tmp_path / "model")],
         capture_output=True, text=True, timeout=280,
@@ -215,4 +221,4 @@ def test_multiprocess_vllm_takes_updates_as_bytes(tmp_path: Path) -> None:
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     report = json.loads(lines[-1].removeprefix("REPORT "))
     assert report == {"digests_before": True, "tokens_before": True,
-                      "digests_after": True, "tokens_after": True}
+                      "digests_after": True, "tokens_after": True, "tokens_changed": True}
