@@ -114,8 +114,8 @@ def _put(out, acc, meta, value, nbits):  # type: ignore[no-untyped-def]
 @nb.njit(cache=True, nogil=True)
 def group_encode(cls, rank, d, k, nclass, nbytes_val, full, half,  # type: ignore[no-untyped-def]
                  ccount, kparam, gaps_out, signs_out, mags_out):
-    """Group changes by class; write Rice-coded rank gaps (one parameter per class, chosen
-    for the fewest bits), sign bits and escaped u8 magnitudes.
+    """Group changes by class; write Rice-coded rank gaps (one parameter per class: the
+    cheapest of five around log2 of the mean gap), sign bits and escaped u8 magnitudes.
 
     ``ccount``/``kparam`` (``nclass`` long, zeroed) receive changes and the Rice parameter
     per class. Returns (gap bytes, magnitude bytes) written.
@@ -143,14 +143,22 @@ def group_encode(cls, rank, d, k, nclass, nbytes_val, full, half,  # type: ignor
         c = ccount[e]
         if c == 0:
             continue
+        total = 0
+        for p in range(p0, p0 + c):
+            total += gapv[p]
+        k0 = 0
+        while k0 < RICE_KMAX and (c << (k0 + 1)) <= total:
+            k0 += 1
+        lo = max(0, k0 - 2)
+        hi = min(RICE_KMAX, k0 + 2)
         cost[:] = 0
         for p in range(p0, p0 + c):
             g = gapv[p]
-            for kk in range(RICE_KMAX + 1):
+            for kk in range(lo, hi + 1):
                 q = g >> kk
                 cost[kk] += (1 + kk + q) if q < RICE_QMAX else RICE_QMAX + 32
-        best = 0
-        for kk in range(1, RICE_KMAX + 1):
+        best = lo
+        for kk in range(lo + 1, hi + 1):
             if cost[kk] < cost[best]:
                 best = kk
         kparam[e] = best
