@@ -8,7 +8,8 @@ One :class:`Exchange` per node. The caller does all I/O and keeps time:
 - then it drains :meth:`Exchange.take_outgoing` (control messages to send),
   :meth:`Exchange.take_upload_ready` (neighbours with pieces queued for them: call
   :meth:`Exchange.next_upload` whenever the connection to one can take another piece, so
-  a cancel can still withdraw a piece not yet on the wire) and
+  a cancel can still withdraw a piece not yet on the wire; with several waiting, feed
+  the one of lowest :meth:`Exchange.upload_priority` first) and
   :meth:`Exchange.take_events` (stored chunks, completed objects, bans, time-outs).
 
 What it does: rarest-first picking with a strict endgame; requests pipelined to each
@@ -105,6 +106,9 @@ class ExchangeConfig:
     """Bound on requested-but-not-received bytes over all neighbours."""
     download_rate: float = 100e6
     """This node's download capacity, as far as it knows; sizes the in-flight window."""
+    upload_rate: float = 0.0
+    """This node's upload capacity as it advertises it (0: unknown); weighs its share of
+    imports into its region (neighbours pass theirs to :meth:`Exchange.connect`)."""
     inflight_window: float = 0.25
     """Seconds of ``download_rate`` kept requested (at least four chunks)."""
     initial_rate: float = 20e6
@@ -192,6 +196,7 @@ class _Obj:
     first_seen: dict[int, float] = field(default_factory=dict)
     suggested: set[int] = field(default_factory=set)
     ranks: dict[int, int] = field(default_factory=dict)
+    importers: dict[tuple[str, int], int | None] = field(default_factory=dict)
     complete_at: float | None = None
     avg_size: int = 1
     last_progress: float = 0.0
@@ -226,6 +231,7 @@ class _Peer:
     strikes: int = 0
     key: int = 0
     depth: int = 2
+    upload: float = 0.0
 
 
 class Exchange:
@@ -314,16 +320,18 @@ class Exchange:
         self._super_seed(now)
 
     def connect(self, peer: str, now: float, *, region: str = "", rtt: float = 0.05,
-                trainer: bool = False) -> None:
-        """A neighbour is reachable; exchange bitfields."""
+                trainer: bool = False, upload: float = 0.0) -> None:
+        """A neighbour is reachable; exchange bitfields. ``region`` and ``upload`` (bytes
+        per second, 0 if unknown) are what it advertises in its peer metadata."""
         if peer in self._banned or peer in self._peers or peer == self.me:
             return
         p = _Peer(peer, region, max(rtt, 1e-4), trainer, self.config.initial_rate,
-                  key=picker.peer_key(peer))
+                  key=picker.peer_key(peer), upload=max(0.0, upload))
         self._peers[peer] = p
         self._set_rate(p, p.rate)
-        if self._is_local(p):
-            for ob in self._objects.values():
+        for ob in self._objects.values():
+            ob.importers.clear()
+            if self._is_local(p):
                 ob.ranks.clear()
         for o in self._objects.values():
             self._send_bitfield(p, o)
@@ -337,8 +345,9 @@ class Exchange:
         p = self._peers.pop(peer, None)
         if p is None:
             return
-        if self._is_local(p):
-            for ob in self._objects.values():
+        for ob in self._objects.values():
+            ob.importers.clear()
+            if self._is_local(p):
                 ob.ranks.clear()
         self._ready.discard(peer)
         for obj, idxs in p.haves.items():
@@ -464,6 +473,15 @@ class Exchange:
             self.bytes_up += len(data)
             return Piece(obj, idx, data)
         return None
+
+    def upload_priority(self, peer: str) -> int:
+        """Which connection a driver should feed first when several have pieces queued:
+        the neighbour holding the fewest chunks (lowest value). The most-behind peer
+        decides when everybody is done, so it is served first."""
+        p = self._peers.get(peer)
+        if p is None:
+            return 1 << 62
+        return sum(len(p.haves.get(obj, ())) for obj in self._objects)
 
     def upload_queued(self, peer: str) -> int:
         p = self._peers.get(peer)
@@ -741,6 +759,7 @@ class Exchange:
         size = o.spec.sizes[idx]
         best_local: _Peer | None = None
         best_remote: _Peer | None = None
+        local_key = remote_key = (float("inf"), 0, "")
         trainer: _Peer | None = None
         any_local = any_other = False
         for h in o.holders[idx]:
@@ -753,14 +772,16 @@ class Exchange:
                     trainer = p
                 continue
             any_other = True
-            if p.region == self.region:
-                any_local = True
-                if usable and (best_local is None
-                               or self._eta(p, size) < self._eta(best_local, size)):
-                    best_local = p
-            elif usable and (best_remote is None
-                             or self._eta(p, size) < self._eta(best_remote, size)):
-                best_remote = p
+            is_local = p.region == self.region
+            any_local = any_local or is_local
+            if not usable:
+                continue
+            # ties (equal estimates) go by a per-node hash: deterministic, and spread
+            key = (self._eta(p, size), (p.key ^ self._salt) * 0x9E3779B1 & 0xFFFFFFFF, h)
+            if is_local and key < local_key:
+                best_local, local_key = p, key
+            elif not is_local and key < remote_key:
+                best_remote, remote_key = p, key
         if best_local is not None:
             return best_local.peer
         if any_local:
@@ -771,10 +792,13 @@ class Exchange:
         rank = o.ranks.get(idx)
         if rank is None:
             # no local neighbour holds idx here, so this set only changes with neighbours
-            lacking = [self._peers[q].key for q in local_peers]
-            rank = o.ranks[idx] = picker.import_rank(self._key, idx, o.spec.obj, lacking)
+            lacking = [(self._peers[q].key, self._peers[q].upload or 1.0) for q in local_peers]
+            rank = o.ranks[idx] = picker.import_rank(
+                (self._key, self.config.upload_rate or 1.0), idx, o.spec.obj, lacking)
         if best_remote is not None:
-            wait = max(cfg.import_delay, 3 * best_remote.rtt)
+            # give the previous rank time to ask, queue and receive it
+            wait = max(cfg.import_delay,
+                       4 * best_remote.rtt + 2 * size / max(best_remote.rate, 1.0))
         else:
             wait = cfg.import_delay
         ready = o.first_seen.get(idx, o.added_at) + rank * wait
@@ -886,6 +910,14 @@ class Exchange:
             p.got_recent = p.sent_recent = 0
         self._update_interest(now)
 
+    def _importer(self, o: _Obj, p: _Peer, idx: int) -> int | None:
+        key = (p.region, idx)
+        if key not in o.importers:
+            members = [(q.key, q.upload or 1.0) for q in self._peers.values()
+                       if q.region == p.region and not q.trainer]
+            o.importers[key] = picker.importer(idx, o.spec.obj, members)
+        return o.importers[key]
+
     def _super_seed(self, now: float) -> None:
         """Trainer: keep neighbours busy with chunks that few others hold."""
         if not self.config.super_seed:
@@ -922,9 +954,16 @@ class Exchange:
             return
         owed = self.bytes_up + sum(o.pending) * o.avg_size
         budget_left = owed < cfg.super_seed_budget * o.spec.total_bytes
-        cands = [i for i in range(n) if i not in theirs and i not in outstanding
-                 and (o.times_suggested[i] == 0
-                      or (budget_left and o.pending[i] == 0 and o.availability[i] <= 1))]
+        # A first copy goes to the peer its region would pick to import the chunk (the
+        # rendezvous rank the peers compute), so the trainer's copy doubles as that
+        # region's import and no region-mate also fetches it over the WAN.
+        fresh = [i for i in range(n) if o.times_suggested[i] == 0 and i not in theirs]
+        cands = [i for i in fresh if self._importer(o, p, i) == p.key]
+        if not cands and budget_left:
+            cands = [i for i in range(n) if i not in theirs and i not in outstanding
+                     and o.pending[i] == 0 and o.availability[i] <= 1]
+        if not cands and not outstanding:
+            cands = fresh  # keep it busy with anything not handed out yet
         cands.sort(key=lambda i: (o.times_suggested[i], o.availability[i],
                                   picker.tiebreak(self._salt, i)))
         for i in cands[:want]:

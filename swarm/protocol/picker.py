@@ -6,6 +6,7 @@ own state and clock.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,24 +38,43 @@ def peer_key(peer: str) -> int:
     return zlib.crc32(peer.encode())
 
 
-def import_rank(me: int, index: int, obj: bytes, local_peers: Iterable[int]) -> int:
-    """My rank among ``local_peers`` (keys of same-region neighbours lacking the chunk).
+def _rank_salt(index: int, obj: bytes) -> int:
+    return zlib.crc32(obj[:8] + index.to_bytes(4, "little"))
 
-    Rendezvous hashing: every peer of a region computes the same order over the region's
-    members for each chunk, so the rank-0 peer imports the chunk across the WAN at once
-    and the others wait for it to appear in the region (each rank waits a little longer),
-    which keeps cross-region bytes near one copy per region. Keys come from
-    :func:`peer_key`; ties (equal keys) count against me.
+
+def _mix(k: int, salt: int) -> int:
+    x = (k ^ salt) * 0x9E3779B1 & 0xFFFFFFFF
+    x ^= x >> 15
+    return x * 0x85EBCA77 & 0xFFFFFFFF
+
+
+def _score(key: int, weight: float, salt: int) -> float:
+    # weighted rendezvous hashing: -w / ln(u), u uniform in (0, 1)
+    u = (_mix(key, salt) + 0.5) / 4294967296.0
+    return -max(weight, 1e-9) / math.log(u)
+
+
+def import_rank(me: tuple[int, float], index: int, obj: bytes,
+                local_peers: Iterable[tuple[int, float]]) -> int:
+    """My rank among ``local_peers`` ((key, weight) of my same-region neighbours).
+
+    Weighted rendezvous hashing: every peer of a region computes the same order over the
+    region's members for each chunk, so the rank-0 peer imports the chunk across the WAN
+    at once and the others wait for it to appear in the region (each rank waits a little
+    longer), which keeps cross-region bytes near one copy per region. The weight is a
+    peer's upload capacity: the first holder in a region must serve the rest, so fast
+    peers import proportionally more. Keys come from :func:`peer_key`.
     """
-    salt = zlib.crc32(obj[:8] + index.to_bytes(4, "little"))
+    salt = _rank_salt(index, obj)
+    mine = (_score(me[0], me[1], salt), me[0])
+    return sum(1 for k, w in local_peers if k != me[0] and (_score(k, w, salt), k) >= mine)
 
-    def mix(k: int) -> int:
-        x = (k ^ salt) * 0x9E3779B1 & 0xFFFFFFFF
-        x ^= x >> 15
-        return x * 0x85EBCA77 & 0xFFFFFFFF
 
-    mine = mix(me)
-    return sum(1 for k in local_peers if mix(k) >= mine and k != me)
+def importer(index: int, obj: bytes, members: Iterable[tuple[int, float]]) -> int | None:
+    """The key of the rank-0 importer of chunk ``index`` among a region's ``members``."""
+    salt = _rank_salt(index, obj)
+    best = max(members, key=lambda m: (_score(m[0], m[1], salt), m[0]), default=None)
+    return None if best is None else best[0]
 
 
 def pipeline_depth(rate: float, rtt: float, chunk_bytes: int, lo: int, hi: int) -> int:

@@ -150,7 +150,8 @@ class SwarmSim:
             if self.scale_slots:
                 slots = max(2, min(slots, round(self.topo.up[i] / 12.5e6)))
             cfg = dataclasses.replace(
-                self.config, download_rate=self.topo.down[i], upload_slots=slots,
+                self.config, download_rate=self.topo.down[i], upload_rate=self.topo.up[i],
+                upload_slots=slots,
                 remote_slots=max(1, min(self.config.remote_slots, slots // 3)))
         region = self.pop.scenario.regions[self.topo.region[i]]
         core = Exchange(peer_name(i), region=region, config=cfg, seed=self.seed + i,
@@ -174,9 +175,9 @@ class SwarmSim:
         ra, rb = self.topo.region[a], self.topo.region[b]
         names = self.pop.scenario.regions
         self.cores[a].connect(peer_name(b), self.now, region=names[rb], rtt=rtt,
-                              trainer=b == 0)
+                              trainer=b == 0, upload=self.topo.up[b])
         self.cores[b].connect(peer_name(a), self.now, region=names[ra], rtt=rtt,
-                              trainer=a == 0)
+                              trainer=a == 0, upload=self.topo.up[a])
 
     def _choose_neighbours(self, i: int, candidates: list[int]) -> None:
         sc = self.pop.scenario
@@ -245,14 +246,14 @@ class SwarmSim:
     def _serve(self, i: int) -> None:
         """Start uploads from ``i`` while it has fewer than ``upload_concurrency`` going:
         an application-level upload scheduler that sends a few pieces at a time at full
-        speed (round robin over the connections with queued requests) instead of
-        splitting the uplink over every request at once."""
+        speed (to the connection the core ranks first, see ``upload_priority``) instead
+        of splitting the uplink over every request at once."""
         core = self.cores[i]
         wait = self.up_wait[i]
-        for _ in range(len(wait)):
-            if self.up_active[i] >= (self.up_conc_trainer if i == 0 else self.up_conc) or not wait:
-                return
-            j = wait.popleft()
+        limit = self.up_conc_trainer if i == 0 else self.up_conc
+        while self.up_active[i] < limit and wait:
+            j = min(wait, key=lambda k: (core.upload_priority(peer_name(k)), k))
+            wait.remove(j)
             if j not in self.links[i] or (i, j) in self.busy:
                 continue
             piece = core.next_upload(peer_name(j), self.now)

@@ -61,7 +61,7 @@ class Scenario:
     classes: tuple[LinkClass, ...] = (
         LinkClass("datacenter", 1.0, 1.0, 0.4),
         LinkClass("cloud", 0.5, 0.5, 0.4),
-        LinkClass("edge", 0.2, 0.5, 0.2),
+        LinkClass("edge", 0.1, 0.3, 0.2),
     )
     trainer_region: int = 0
     trainer_up_gbps: float = 1.0
