@@ -237,3 +237,19 @@ def test_state_must_match_layout_for_apply(delta) -> None:  # type: ignore[no-un
     with pytest.raises(LocalProtocolError):
         apply_chunk(state, chunks[0].data, layout_of(old))
     _ = np  # numpy is used by helpers through fixtures
+
+
+def test_parallel_segment_decode_patches_identically(delta) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    old, new, _, _ = delta
+    signed, chunks = encode_delta_sync(old, new, IDENTITY, "run", 4,
+                                       config=EncoderConfig(segment_elems=4096))
+    assert len(chunks) == 1 and len(msgpack.unpackb(chunks[0].data)[1]) > 4
+    state = clone_state(old)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        p = Patcher(state, signed, executor=pool)
+        for c in chunks:
+            p.apply(c.cid, c.data)
+        assert p.finish() == {"w"}
+    assert same_bits(state, new)
