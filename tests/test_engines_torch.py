@@ -52,9 +52,17 @@ def test_engine_satisfies_the_protocol(engine: TorchEngine) -> None:
     assert isinstance(engine, RolloutEngine)
 
 
+def same_tokens(a: list[Completion], b: list[Completion]) -> None:
+    """Same tokens; log-probs equal up to batched-vs-single-row float differences."""
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
+    for x, y in zip(a, b, strict=True):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
 def test_greedy_is_reproducible_and_independent_of_the_batch(engine: TorchEngine) -> None:
     batch = engine.generate(PROMPTS, GREEDY)
-    assert [engine.generate([p], GREEDY)[0] for p in PROMPTS] == batch
+    same_tokens([engine.generate([p], GREEDY)[0] for p in PROMPTS], batch)
     assert engine.generate(PROMPTS, GREEDY) == batch
     assert all(len(c.token_ids) == GREEDY.max_tokens and c.finish_reason == "length"
                for c in batch)
@@ -79,11 +87,27 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(engine: TorchEngine)
     first = engine.generate(PROMPTS, s)
     assert engine.generate(PROMPTS, s) == first
     # Prompt i uses seed + i: the second prompt alone with seed 8 gives the same tokens.
-    assert engine.generate([PROMPTS[1]], Sampling(max_tokens=12, top_p=0.95, seed=8))[0] == (
-        first[1]
-    )
+    same_tokens(engine.generate([PROMPTS[1]], Sampling(max_tokens=12, top_p=0.95, seed=8)),
+                first[1:2])
     other = engine.generate(PROMPTS, Sampling(max_tokens=12, temperature=1.0, seed=99))
     assert [c.token_ids for c in other] != [c.token_ids for c in first]
+
+
+def test_a_group_batched_together_matches_one_by_one(engine: TorchEngine) -> None:
+    """A GRPO group (one prompt repeated) plus another prompt of that length share a batch
+    of at most 3 rows; each row samples with its own seed, as if generated alone."""
+    group = [[7, 8, 9, 10]] * 5 + [[1, 2, 3, 4]]
+    s = Sampling(max_tokens=10, temperature=0.8, seed=21)
+    with TorchEngine(engine.model, max_batch=3) as batched:
+        together = batched.generate(group, s)
+    alone = [
+        engine.generate([p], Sampling(max_tokens=10, temperature=0.8, seed=21 + i))[0]
+        for i, p in enumerate(group)
+    ]
+    same_tokens(together, alone)
+    assert len({c.token_ids for c in together[:5]}) > 1  # seeds differ within the group
+    with pytest.raises(ValueError):
+        TorchEngine(engine.model, max_batch=0)
 
 
 def test_top_k_one_and_tiny_top_p_sample_the_greedy_tokens(engine: TorchEngine) -> None:

@@ -1,7 +1,9 @@
 """A rollout engine over a transformers causal LM (CPU or GPU), generating with a KV cache.
 
-Prompts are generated one at a time (no padding), so a prompt's tokens do not depend on
-the other prompts of its batch, and greedy decoding is exactly reproducible.
+Prompts of the same length are decoded together, up to ``max_batch`` rows, with no padding
+(a GRPO group repeats one prompt); prompt i of a call samples with its own seeded
+generator, so its tokens do not depend on which other prompts share its batch, up to
+floating-point differences between batched and single-row matrix products.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import inspect
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -68,9 +70,14 @@ class TorchEngine:
     """Generates with a transformers causal LM and applies updates to its parameters in place.
 
     The engine holds the model it is given; the caller must not train that same object.
+    Not thread-safe: run generate and apply one at a time (a peer swaps weights at a
+    rollout boundary).
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, max_batch: int = 16) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        self._max_batch = max_batch
         self._model: Any = cast(Any, model)
         self._model.eval()
         self._tensors: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
@@ -107,10 +114,18 @@ class TorchEngine:
         self._check_open()
         for prompt in prompts:
             self._check_prompt(prompt, sampling)
-        return [
-            self._generate_one(prompt, sampling, request_seed(sampling, i))
-            for i, prompt in enumerate(prompts)
-        ]
+        out: list[Completion | None] = [None] * len(prompts)
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            by_length.setdefault(len(prompt), []).append(i)
+        for group in by_length.values():
+            for at in range(0, len(group), self._max_batch):
+                part = group[at : at + self._max_batch]
+                done = self._generate_batch([prompts[i] for i in part], sampling,
+                                            [request_seed(sampling, i) for i in part])
+                for i, completion in zip(part, done, strict=True):
+                    out[i] = completion
+        return [c for c in out if c is not None]
 
     def apply(self, update: Mapping[str, torch.Tensor]) -> None:
         """Copy each tensor into the parameter or buffer of that name, in place.
@@ -189,36 +204,51 @@ class TorchEngine:
                 f"exceeds the context of {self._max_positions}"
             )
 
-    def _generate_one(
-        self, prompt: Sequence[int], sampling: Sampling, seed: int | None
-    ) -> Completion:
-        generator: torch.Generator | None = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=self._device)
-            if seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(seed)
-        stop = frozenset(sampling.stop_token_ids)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        finish: Literal["stop", "length"] = "length"
-        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self._device)
+    def _generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, seeds: Sequence[int | None]
+    ) -> list[Completion]:
+        """Prompts of one length, decoded together (no padding); row i samples with seeds[i]."""
         from transformers import DynamicCache
 
+        rows = len(prompts)
+        generators: list[torch.Generator | None] = []
+        for seed in seeds:
+            if sampling.greedy:
+                generators.append(None)
+                continue
+            gen = torch.Generator(device=self._device)
+            if seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(seed)
+            generators.append(gen)
+        stop = frozenset(sampling.stop_token_ids)
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        done = [False] * rows
+        ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=self._device)
         cache = {self._cache_kwarg: DynamicCache(config=self._model.config)}
         with torch.inference_mode():
             for _ in range(sampling.max_tokens):
                 out = self._model(input_ids=ids, use_cache=True, **cache)
-                logits = out.logits[0, -1].float()
-                token = _pick(logits, sampling, generator)
-                tokens.append(token)
-                logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-                if token in stop:
-                    finish = "stop"
+                logits = out.logits[:, -1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                picked = [0] * rows
+                for r in range(rows):
+                    if done[r]:
+                        continue
+                    token = _pick(logits[r], sampling, generators[r])
+                    picked[r] = token
+                    tokens[r].append(token)
+                    logprobs[r].append(float(logp[r, token]))
+                    done[r] = token in stop
+                if all(done):
                     break
-                ids = torch.tensor([[token]], dtype=torch.long, device=self._device)
-        return Completion(tuple(tokens), tuple(logprobs), finish)
+                ids = torch.tensor(picked, dtype=torch.long, device=self._device).view(rows, 1)
+        return [
+            Completion(tuple(t), tuple(lp), "stop" if t[-1] in stop else "length")
+            for t, lp in zip(tokens, logprobs, strict=True)
+        ]
 
 
 def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
