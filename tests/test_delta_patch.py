@@ -253,3 +253,24 @@ def test_parallel_segment_decode_patches_identically(delta) -> None:  # type: ig
             p.apply(c.cid, c.data)
         assert p.finish() == {"w"}
     assert same_bits(state, new)
+
+
+def test_changes_per_chunk_are_bounded_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoder closes chunks before the decoder's change bound; the decoder refuses a
+    chunk declaring more changes before allocating for them."""
+    from swarm.delta import codec, pipeline
+
+    old, new = gaussian_bf16_pair(1 << 15, 0.05, seed=4)
+    big = list(pipeline.delta_chunks(old, new, EncoderConfig(segment_elems=2048)))
+    assert len(big) == 1 and big[0].changes > 400
+    monkeypatch.setattr(pipeline, "MAX_CHUNK_CHANGES", 400)
+    small = list(pipeline.delta_chunks(old, new, EncoderConfig(segment_elems=2048)))
+    assert len(small) > 3 and all(c.changes <= 400 for c in small)
+    monkeypatch.setattr(codec, "MAX_CHUNK_CHANGES", 400)
+    state = clone_state(old)
+    with pytest.raises(DecodeError):
+        apply_chunk(state, big[0].data)
+    assert same_bits(state, old)
+    for c in small:
+        apply_chunk(state, c.data)
+    assert same_bits(state, new)

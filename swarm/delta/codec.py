@@ -43,6 +43,7 @@ CODEC_NAME = "swarm-xg1"
 SEGMENT_ELEMS = 1 << 22
 CHUNK_TARGET = 2 << 20
 MAX_SEGMENTS = 1 << 16
+MAX_CHUNK_CHANGES = 1 << 24  # bounds decode memory (about 14 bytes per change)
 ZSTD_LEVEL = 1
 _GAP_BITS_MAX = K.RICE_QMAX + 32
 
@@ -135,9 +136,11 @@ def pack_chunk(segments: Sequence[EncodedSegment]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class SegmentChange:
-    """Decoded changes of one segment: absolute element positions and key differences."""
+    """Decoded changes of one segment: element positions (relative to ``start``) and key
+    differences."""
 
     tensor: int
+    start: int
     positions: np.ndarray
     diffs: np.ndarray
 
@@ -235,13 +238,12 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     ends = np.cumsum(ccounts)
     class_start[ids] = ends - ccounts
     class_end[ids] = ends
-    pos = np.empty(changes, np.int64)
+    pos = np.empty(changes, np.uint32)
     old = views[tensor][start:start + count]
     err = K.locate(old, U64(fmt.shift), U64(fmt.emask), class_start, class_end, gapv, pos)
     if err:
         raise DecodeError("chunk: a change's rank is past its class population")
-    pos += start
-    return SegmentChange(tensor, pos, diffs)
+    return SegmentChange(tensor, start, pos, diffs)
 
 
 def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
@@ -255,11 +257,15 @@ def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
     """
     segs = parse_chunk(data)
     prev = (-1, 0)
+    total = 0
     for seg in segs:
-        tensor, start, count = (int(x) for x in seg[:3])  # type: ignore[call-overload]
+        tensor, start, count, changes = (int(x) for x in seg[:4])  # type: ignore[call-overload]
         if (tensor, start) < prev:
             raise DecodeError("chunk: segments overlap or are out of order")
         prev = (tensor, start + count)
+        total += changes
+    if total > MAX_CHUNK_CHANGES:
+        raise DecodeError(f"chunk: {total} changes exceed the bound {MAX_CHUNK_CHANGES}")
     if executor is not None and len(segs) > 1:
         out = list(executor.map(lambda s: decode_segment(s, layout, views), segs))
     else:
@@ -273,7 +279,8 @@ def _apply(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
     segs = reversed(chunk.segments) if negate else chunk.segments
     for s in segs:
         fmt = BIT_FORMATS[layout.tensors[s.tensor].dtype]
-        K.apply_diffs(views[s.tensor], s.positions, s.diffs, fmt.signbit, fmt.full, negate)
+        K.apply_diffs(views[s.tensor][s.start:], s.positions, s.diffs, fmt.signbit, fmt.full,
+                      negate)
 
 
 def apply_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk) -> None:

@@ -27,6 +27,7 @@ from swarm.content.pieces import DEFAULT_PIECE_SIZE
 from swarm.delta.codec import (
     CHUNK_TARGET,
     CODEC_NAME,
+    MAX_CHUNK_CHANGES,
     SEGMENT_ELEMS,
     Bits,
     EncodedSegment,
@@ -126,13 +127,25 @@ class _Assembler:
         self._target = target
         self._segs: list[EncodedSegment] = []
         self._size = 0
+        self._changes = 0
 
-    def add(self, seg: EncodedSegment | None) -> DeltaChunk | None:
+    def add(self, seg: EncodedSegment | None) -> list[DeltaChunk]:
+        """Take the next segment; returns the chunks it completed (0, 1 or 2)."""
         if seg is None:
-            return None
+            return []
+        out = []
+        if self._segs and self._changes + seg.changes > MAX_CHUNK_CHANGES:
+            done = self.flush()
+            if done is not None:
+                out.append(done)
         self._segs.append(seg)
         self._size += seg.nbytes
-        return self.flush() if self._size >= self._target else None
+        self._changes += seg.changes
+        if self._size >= self._target:
+            done = self.flush()
+            if done is not None:
+                out.append(done)
+        return out
 
     def flush(self) -> DeltaChunk | None:
         if not self._segs:
@@ -142,7 +155,7 @@ class _Assembler:
         chunk = DeltaChunk(chunk_id(data), data, tensors,
                            tuple(self._layout.tensors[i].name for i in tensors),
                            sum(s.changes for s in self._segs))
-        self._segs, self._size = [], 0
+        self._segs, self._size, self._changes = [], 0, 0
         return chunk
 
 
@@ -170,8 +183,7 @@ async def iter_delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, t
                 inflight.append(plan.submit(pool, nxt))
                 nxt += 1
             for fut in inflight.popleft():
-                chunk = asm.add(await asyncio.wrap_future(fut))
-                if chunk is not None:
+                for chunk in asm.add(await asyncio.wrap_future(fut)):
                     yield chunk
         last = asm.flush()
         if last is not None:
@@ -195,9 +207,7 @@ def delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
                     inflight.append(plan.submit(pool, nxt))
                     nxt += 1
                 for fut in inflight.popleft():
-                    chunk = asm.add(fut.result())
-                    if chunk is not None:
-                        yield chunk
+                    yield from asm.add(fut.result())
             last = asm.flush()
             if last is not None:
                 yield last
