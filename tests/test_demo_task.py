@@ -320,3 +320,14 @@ def test_grpo_still_learns_from_one_version_stale_rollouts(one_thread: None) -> 
     cfg = DemoConfig(steps=30, prompts_per_step=32, staleness=1)
     s = summarize(run_local(cfg))
     assert s["reward_last"] > s["reward_first"] + 0.2, s
+
+
+def test_run_local_publishes_every_version_it_reports(one_thread: None) -> None:
+    states: list[tuple[int, dict[str, torch.Tensor]]] = []
+    cfg = DemoConfig(model=SMALL, steps=2, prompts_per_step=8, num_peers=4)
+    records = run_local(cfg, on_publish=lambda v, s: states.append((v, dict(s))))
+    assert [v for v, _ in states] == [0, 1, 2]
+    assert all(t.dtype == torch.bfloat16 for _, s in states for t in s.values())
+    for rec, (_, before), (_, after) in zip(records, states[:-1], states[1:], strict=True):
+        assert rec.delta_density == delta_density(before, after) > 0.0
+        assert 0.0 <= rec.reward <= 1.0

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m swarm.demo", description=__doc__)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--adam-eps", type=float, default=d.adam_eps)
     p.add_argument("--prompts", type=int, default=d.prompts_per_step, help="prompts per step")
     p.add_argument("--group", type=int, default=d.group_size, help="completions per prompt")
     p.add_argument("--peers", type=int, default=d.num_peers)
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads (1 is fastest on a small shared CPU)")
     p.add_argument("--sweep-lr", default="", help="comma-separated learning rates")
     args = p.parse_args(argv)
-    base = dataclasses.replace(d, steps=args.steps, lr=args.lr,
+    base = dataclasses.replace(d, steps=args.steps, lr=args.lr, adam_eps=args.adam_eps,
                                prompts_per_step=args.prompts, group_size=args.group,
                                num_peers=args.peers, inference_dtype=args.dtype,
                                staleness=args.staleness, seed=args.seed)

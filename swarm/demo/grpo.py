@@ -356,9 +356,15 @@ def peer_share(cfg: DemoConfig, prompts: Sequence[tuple[int, ...]],
     return list(prompts[peer * per:(peer + 1) * per])
 
 
-def run_local(cfg: DemoConfig,
-              on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+def run_local(
+    cfg: DemoConfig,
+    on_step: Callable[[StepRecord], None] | None = None,
+    on_publish: Callable[[int, Mapping[str, torch.Tensor]], None] | None = None,
+) -> list[StepRecord]:
     """Train for ``cfg.steps`` steps in this process, peers and trainer alike.
+
+    ``on_publish(version, state)`` sees every published inference state, the base
+    (version 0) included, for example to measure what the delta codec makes of it.
 
     The trainer keeps the fp32 master and publishes the inference state after every step;
     each simulated peer holds its own model, loaded from a published state
@@ -371,6 +377,8 @@ def run_local(cfg: DemoConfig,
     state = inference_state(master, cfg.inference_dtype)
     peers = [model_from_state(cfg.model, state) for _ in range(cfg.num_peers)]
     published = deque([state], maxlen=cfg.staleness + 1)
+    if on_publish is not None:
+        on_publish(0, state)
     records: list[StepRecord] = []
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
@@ -394,6 +402,8 @@ def run_local(cfg: DemoConfig,
         state = new_state
         published.append(state)
         t2 = time.perf_counter()
+        if on_publish is not None:
+            on_publish(step, state)
         rec = StepRecord(step=step, reward=metrics.reward_mean,
                          solved=solved / (len(groups) * cfg.group_size),
                          delta_density=density, rollout_s=t1 - t0, train_s=t2 - t1,
