@@ -540,13 +540,9 @@ class Exchange:
                     o.suggested.add(msg.index)
                     self._pick(now)
         elif isinstance(msg, Choke):
+            # no new requests to p; it rejects those it had queued (each Reject frees the
+            # chunk for another source) and the piece already on the wire still arrives
             p.choked_us = True
-            for obj, idx in list(p.out):
-                del p.out[(obj, idx)]
-                o = self._objects.get(obj)
-                if o is not None:
-                    self._drop_inflight(o, idx, p.peer)
-            self._pick(now)
         elif isinstance(msg, Unchoke):
             p.choked_us = False
             self._pick(now)
@@ -578,9 +574,6 @@ class Exchange:
             self._drop_inflight(o, msg.index, p.peer)
             self._ban(p.peer, f"chunk {msg.index} does not match its BLAKE3 id", now)
             return
-        if requested is None:
-            # unsolicited, or arrived after our cancel: keep it only if still useful
-            self.bytes_wasted += size if msg.index in o.have else 0
         self.bytes_down += size
         p.bytes_from += size
         p.got_recent += size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
     sc = scenario_from_args(args)
     show = not args.quiet and sys.stderr.isatty()
+    if not getattr(args, "verbose", 0):
+        # every simulated ban would log a warning; the summary counts them instead
+        logging.getLogger("swarm.protocol.exchange").setLevel(logging.ERROR)
     print(f"scenario {sc.name}: {sc.peers} peers in {len(sc.regions)} regions "
           f"({', '.join(sc.regions)}), model {sc.model_bytes / 1e9:.1f} GB bf16, delta "
           f"1/{sc.delta_ratio:g} = {sc.payload_bytes / 1e6:.1f} MB in "
