@@ -621,6 +621,9 @@ class Libp2pNode:
         if self._paths.get(peer) is path:
             del self._paths[peer]
             self._out_streams.pop(peer, None)
+            lock = self._out_locks.get(peer)
+            if lock is not None and not lock.locked():
+                del self._out_locks[peer]
             self._events.push(PeerEvent(peer, False, path, reason))
 
     def _on_plane_event(self, ev: PeerEvent) -> None:
