@@ -278,3 +278,33 @@ async def test_plaintext_libp2p_peer_cannot_connect_under_a_claimed_identity() -
 
         assert (await guest.run(try_plaintext)).startswith("refused")
         assert victim.connected_peers() == frozenset()
+
+
+async def test_a_flooding_peer_stalls_only_its_own_connection() -> None:
+    cfg = DataPlaneConfig(inbox_bytes=8 << 20, inbox_peer_bytes=1 << 20, crypto_threads=0)
+    async with (
+        DirectTransport(VICTIM, cfg) as victim,
+        DirectTransport(MALLORY, cfg) as mallory,
+        DirectTransport(HONEST, cfg) as honest,
+    ):
+        await mallory.connect(victim.listen_addresses[0])
+        await honest.connect(victim.listen_addresses[0])
+
+        async def flood() -> None:
+            for _ in range(200):
+                await mallory.send(VICTIM.peer_id, bytes(256 << 10))
+
+        flooder = asyncio.create_task(flood())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while victim._inbox.queued_bytes < 1 << 20:  # mallory reached its share
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
+        await honest.send(VICTIM.peer_id, b"me too")
+        # Whatever mallory queued stays bounded, and the honest message gets in anyway.
+        got = [await asyncio.wait_for(victim.recv(), 5) for _ in range(8)]
+        assert b"me too" in [m.payload for m in got]
+        assert victim._inbox.queued_bytes <= (1 << 20) + (512 << 10)
+        flooder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flooder

@@ -94,6 +94,10 @@ class DataPlaneConfig:
     crypto_inflight: int = 4
     #: Inbound messages queued before reading pauses (standalone :class:`DirectTransport`).
     inbox_depth: int = 256
+    #: Payload bytes queued in all, and from one peer, before that reading pauses
+    #: (standalone :class:`DirectTransport`): a flooding peer stalls only itself.
+    inbox_bytes: int = 128 << 20
+    inbox_peer_bytes: int = 32 << 20
     #: Peer events queued (standalone :class:`DirectTransport`).
     event_depth: int = 1024
     scores: ScoreConfig = field(default_factory=ScoreConfig)
@@ -279,7 +283,7 @@ class _Connection(asyncio.BufferedProtocol):
         assert self.peer_id is not None
         if not self.plane.inbox.offer(Message(self.peer_id, payload)):
             self._inbox_blocked = True
-            self.plane.inbox.when_space(self._on_space)
+            self.plane.inbox.when_space(self._on_space, self.peer_id)
 
     def _on_space(self) -> None:
         self._inbox_blocked = False
@@ -639,7 +643,8 @@ class DirectTransport:
     def __init__(self, identity: Identity, config: DataPlaneConfig | None = None) -> None:
         self.config = config or DataPlaneConfig()
         self.identity = identity
-        self._inbox = Inbox(self.config.inbox_depth)
+        self._inbox = Inbox(self.config.inbox_depth, max_bytes=self.config.inbox_bytes,
+                            max_peer_bytes=self.config.inbox_peer_bytes)
         self._events = EventQueue(self.config.event_depth)
         self._scores = PeerScores(self.config.scores)
         self.plane = DataPlane(identity, self.config, inbox=self._inbox,

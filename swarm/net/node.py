@@ -121,6 +121,10 @@ class NodeConfig:
     connect_timeout: float = 10.0
     #: Inbound messages queued before readers pause.
     inbox_depth: int = 256
+    #: Payload bytes queued in all, and from one peer, before that reading pauses: a
+    #: flooding peer stalls only its own connection.
+    inbox_bytes: int = 128 << 20
+    inbox_peer_bytes: int = 32 << 20
     #: Peer events queued (the oldest dropped beyond).
     event_depth: int = 1024
     scores: ScoreConfig = field(default_factory=ScoreConfig)
@@ -277,7 +281,8 @@ class Libp2pNode:
         self.identity = identity
         self.config = config or NodeConfig()
         self._peer_id = identity.peer_id
-        self._inbox = Inbox(self.config.inbox_depth)
+        self._inbox = Inbox(self.config.inbox_depth, max_bytes=self.config.inbox_bytes,
+                            max_peer_bytes=self.config.inbox_peer_bytes)
         self._events = EventQueue(self.config.event_depth)
         self._scores = PeerScores(self.config.scores)
         self._stack = contextlib.AsyncExitStack()
@@ -725,7 +730,8 @@ class Libp2pNode:
             while (frame := reader.next_frame()) is not None:
                 if not self._inbox.offer(Message(peer, bytes(frame))):
                     space = trio.Event()
-                    self._inbox.when_space(functools.partial(token.run_sync_soon, space.set))
+                    self._inbox.when_space(functools.partial(token.run_sync_soon, space.set),
+                                           peer)
                     await space.wait()
 
     def _violation(self, peer: str, reason: str) -> None:

@@ -3,8 +3,8 @@
 :class:`Inbox` serves two kinds of producers: protocol callbacks that cannot wait
 (:meth:`Inbox.offer` tells them to pause reading, and :meth:`Inbox.when_space` resumes
 them), and tasks that can (:meth:`Inbox.put`). A producer that was told to pause may
-already have added one message over the capacity, so the queue holds at most
-``capacity + producers`` messages.
+already have added one message over a bound, so the queue holds at most one message per
+producer beyond its bounds.
 """
 
 from __future__ import annotations
@@ -56,55 +56,85 @@ class _Bounded(Generic[T]):
 
 
 class Inbox(_Bounded[Message]):
-    """Inbound messages from every connection, bounded, with backpressure to producers."""
+    """Inbound messages from every connection, bounded, with backpressure to producers.
 
-    def __init__(self, capacity: int) -> None:
+    Three bounds: ``capacity`` messages, ``max_bytes`` of payload in all, and
+    ``max_peer_bytes`` of payload from any one peer. A producer is told to pause when
+    its message takes the queue to a bound, so a peer that floods the node stalls its
+    own connection while the others keep flowing (a message is always admitted, so
+    the queue holds at most ``max_bytes`` plus one message per producer).
+    """
+
+    def __init__(self, capacity: int, *, max_bytes: int = 128 << 20,
+                 max_peer_bytes: int = 32 << 20) -> None:
         super().__init__(capacity)
-        self._resume: list[Callable[[], None]] = []
-        self._space = asyncio.Event()
-        self._space.set()
+        if max_bytes <= 0 or max_peer_bytes <= 0:
+            raise ValueError("byte bounds must be positive")
+        self.max_bytes = max_bytes
+        self.max_peer_bytes = max_peer_bytes
+        self._bytes = 0
+        self._peer_bytes: dict[str, int] = {}
+        self._resume: list[tuple[str, Callable[[], None]]] = []
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def has_room(self, peer_id: str) -> bool:
+        """Whether a message from ``peer_id`` would be taken without pausing its producer."""
+        return (len(self._items) < self.capacity and self._bytes < self.max_bytes
+                and self._peer_bytes.get(peer_id, 0) < self.max_peer_bytes)
+
+    def _account(self, msg: Message, sign: int) -> None:
+        size = len(msg.payload) * sign
+        self._bytes += size
+        left = self._peer_bytes.get(msg.peer_id, 0) + size
+        if left > 0:
+            self._peer_bytes[msg.peer_id] = left
+        else:
+            self._peer_bytes.pop(msg.peer_id, None)
 
     def offer(self, msg: Message) -> bool:
-        """Append ``msg``; returns False when the producer should pause until space."""
+        """Append ``msg``; returns False when its producer should pause until space."""
         if self._closed:
             return True
         self._push(msg)
-        if len(self._items) >= self.capacity:
-            self._space.clear()
-            return False
-        return True
+        self._account(msg, 1)
+        return self.has_room(msg.peer_id)
 
-    def when_space(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once the queue drops below capacity (at once if it is)."""
-        if len(self._items) < self.capacity or self._closed:
+    def when_space(self, callback: Callable[[], None], peer_id: str = "") -> None:
+        """Call ``callback`` once ``peer_id`` has room again (at once if it has)."""
+        if self._closed or self.has_room(peer_id):
             callback()
         else:
-            self._resume.append(callback)
+            self._resume.append((peer_id, callback))
 
     async def put(self, msg: Message) -> None:
-        """Append ``msg``, waiting while the queue is full."""
-        while len(self._items) >= self.capacity and not self._closed:
-            self._space.clear()
-            await self._space.wait()
+        """Append ``msg``, waiting while its peer (or the queue) is at a bound."""
+        while not self._closed and not self.has_room(msg.peer_id):
+            room = asyncio.Event()
+            self._resume.append((msg.peer_id, room.set))
+            await room.wait()
         if not self._closed:
             self._push(msg)
+            self._account(msg, 1)
 
     async def get(self) -> Message:
         """The oldest message; :raises TransportClosed: closed and empty."""
         msg = await self._pop()
-        if len(self._items) < self.capacity:
-            self._space.set()
-            if self._resume:
-                callbacks, self._resume = self._resume, []
-                for cb in callbacks:
+        self._account(msg, -1)
+        if self._resume:
+            ready = [cb for peer, cb in self._resume if self.has_room(peer)]
+            if ready:
+                self._resume = [(p, cb) for p, cb in self._resume if cb not in ready]
+                for cb in ready:
                     cb()
         return msg
 
     def close(self) -> None:
         super().close()
-        self._space.set()
         callbacks, self._resume = self._resume, []
-        for cb in callbacks:
+        for _, cb in callbacks:
             cb()
 
 
