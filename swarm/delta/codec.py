@@ -41,7 +41,7 @@ from swarm.wire import strict
 
 CODEC_NAME = "swarm-xg1"
 SEGMENT_ELEMS = 1 << 22
-CHUNK_TARGET = 2 << 20
+CHUNK_TARGET = 1 << 20
 MAX_SEGMENTS = 1 << 16
 MAX_CHUNK_CHANGES = 1 << 24  # bounds decode memory (about 14 bytes per change)
 ZSTD_LEVEL = 1
