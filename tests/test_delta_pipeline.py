@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -64,6 +65,7 @@ async def test_first_chunk_ready_before_last_tensor_is_scanned(
     assert len(submitted) <= pipeline_mod.MAX_IN_FLIGHT_BUCKETS
     await agen.aclose()
     assert len(submitted) < 8
+    assert not [t for t in threading.enumerate() if t.name.startswith("swarm-delta")]
 
 
 async def test_encode_delta_signs_a_manifest_that_patches() -> None:
