@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Self
 
 from swarm.identity import Identity
+from swarm.net.queues import EventQueue, Inbox
 from swarm.net.scoring import PeerScores, ScoreConfig
 from swarm.net.transport import (
     GossipMessage,
@@ -72,6 +73,9 @@ class MemoryConfig:
     max_message_bytes: int = (16 << 20) + (64 << 10)
     #: Inbound messages queued before senders wait.
     inbox_depth: int = 256
+    #: Payload bytes queued in all, and from one peer, before delivery waits.
+    inbox_bytes: int = 128 << 20
+    inbox_peer_bytes: int = 32 << 20
     #: Connect/disconnect events queued; the oldest are dropped beyond this.
     event_depth: int = 1024
     #: Gossip messages queued per subscription; beyond it the newest are dropped (logged).
@@ -254,8 +258,9 @@ class MemoryTransport:
         self.config = config
         self._peer_id = identity.peer_id
         self._links: dict[str, _Link] = {}
-        self._inbox: asyncio.Queue[Message | None] = asyncio.Queue(config.inbox_depth)
-        self._events: asyncio.Queue[PeerEvent | None] = asyncio.Queue(config.event_depth)
+        self._inbox = Inbox(config.inbox_depth, max_bytes=config.inbox_bytes,
+                            max_peer_bytes=config.inbox_peer_bytes)
+        self._events = EventQueue(config.event_depth)
         self._subs: dict[str, set[_MemorySubscription]] = {}
         self._scores = PeerScores(config.scores)
         self._open = False
@@ -283,13 +288,8 @@ class MemoryTransport:
         for subs in list(self._subs.values()):
             for sub in list(subs):
                 sub.close()
-        for q in (self._inbox, self._events):
-            while True:
-                try:
-                    q.put_nowait(None)
-                    break
-                except asyncio.QueueFull:
-                    q.get_nowait()
+        self._inbox.close()
+        self._events.close()
 
     # -- Transport ---------------------------------------------------------------------
     @property
@@ -336,12 +336,8 @@ class MemoryTransport:
         self._event(PeerEvent(other.peer_id, True, Path.MEMORY))
 
     def _event(self, event: PeerEvent) -> None:
-        if self._closed:
-            return
-        if self._events.full():
-            self._events.get_nowait()
-            logger.warning("peer event queue full; dropped the oldest event")
-        self._events.put_nowait(event)
+        if not self._closed:
+            self._events.push(event)
 
     def _drop_now(self, peer_id: str, reason: str, *, notify_remote: bool
                   ) -> asyncio.Task[None] | None:
@@ -381,20 +377,10 @@ class MemoryTransport:
             await self._inbox.put(msg)
 
     async def recv(self) -> Message:
-        if self._closed and self._inbox.empty():
-            raise TransportClosed("transport is closed")
-        msg = await self._inbox.get()
-        if msg is None:
-            raise TransportClosed("transport is closed")
-        return msg
+        return await self._inbox.get()
 
     async def next_event(self) -> PeerEvent:
-        if self._closed and self._events.empty():
-            raise TransportClosed("transport is closed")
-        ev = await self._events.get()
-        if ev is None:
-            raise TransportClosed("transport is closed")
-        return ev
+        return await self._events.get()
 
     def connected_peers(self) -> frozenset[str]:
         return frozenset(self._links)
