@@ -8,12 +8,16 @@ have, request, piece, cancel, choke/unchoke); the transport only promises:
 - the peer id attached to every inbound message is the authenticated sender (it proved
   possession of the key; the in-memory network trusts the process);
 - messages between one ordered pair of peers arrive in order, whole, at most once
-  (the in-memory network may drop whole messages when its link has ``loss > 0``:
-  the exchange must re-request after a timeout, as it must after a disconnect);
+  (the in-memory network may drop whole messages when its link has ``loss > 0``, and
+  a :class:`~swarm.net.dataplane.DirectTransport` dialed with several connections to
+  one peer may reorder across them: the exchange must re-request after a timeout, as
+  it must after a disconnect);
 - a message is at most :attr:`Transport.max_message_bytes` (at least 8 MiB + 64 KiB for
   every implementation, so a 4 MiB piece plus its header always fits);
 - every queue is bounded: :meth:`Transport.send` waits when the link is busy
-  (backpressure), and a slow consumer of :meth:`Transport.recv` slows its senders.
+  (backpressure), and a slow consumer of :meth:`Transport.recv` slows its senders; the
+  inbound queue is bounded in messages, in bytes, and in bytes per peer, so a peer that
+  floods stalls only its own connection.
 
 Implementations (all async context managers owning their tasks; leaving the ``async
 with`` block closes every connection and task):
@@ -22,7 +26,8 @@ with`` block closes every connection and task):
   with per-link bandwidth, latency and loss (tests, the asyncio exchange driver, demos);
 - :class:`swarm.net.node.Libp2pNode` (libp2p control plane + direct encrypted data plane,
   falling back to libp2p streams where no direct path works);
-- the same node with ``data_plane=False`` (libp2p streams only).
+- the same node with ``NodeConfig(data_plane=None)`` (libp2p streams only);
+- :class:`swarm.net.dataplane.DirectTransport`: the data plane alone, no libp2p.
 
 Control-plane gossip (signed manifests, have summaries, peer metadata, lease traffic) is
 the :class:`Gossip` protocol, implemented by the libp2p node and by the memory network.
@@ -222,7 +227,11 @@ class Subscription(Protocol):
 
 @runtime_checkable
 class Gossip(Protocol):
-    """Publish/subscribe on named topics (gossipsub on the libp2p node)."""
+    """Publish/subscribe on named topics (gossipsub on the libp2p node).
+
+    A node does not receive its own publications. Topic names, payloads and limits:
+    :mod:`swarm.net.topics`.
+    """
 
     async def publish(self, topic: str, data: bytes) -> None:
         """Publish ``data`` to ``topic`` (signed by this node's key by libp2p).
