@@ -232,6 +232,7 @@ class _Peer:
     key: int = 0
     depth: int = 2
     upload: float = 0.0
+    download: float = 0.0
 
 
 class Exchange:
@@ -320,13 +321,15 @@ class Exchange:
         self._super_seed(now)
 
     def connect(self, peer: str, now: float, *, region: str = "", rtt: float = 0.05,
-                trainer: bool = False, upload: float = 0.0) -> None:
-        """A neighbour is reachable; exchange bitfields. ``region`` and ``upload`` (bytes
-        per second, 0 if unknown) are what it advertises in its peer metadata."""
+                trainer: bool = False, upload: float = 0.0, download: float = 0.0) -> None:
+        """A neighbour is reachable; exchange bitfields. ``region``, ``upload`` and
+        ``download`` (bytes per second, 0 if unknown) are what it advertises in its peer
+        metadata."""
         if peer in self._banned or peer in self._peers or peer == self.me:
             return
         p = _Peer(peer, region, max(rtt, 1e-4), trainer, self.config.initial_rate,
-                  key=picker.peer_key(peer), upload=max(0.0, upload))
+                  key=picker.peer_key(peer), upload=max(0.0, upload),
+                  download=max(0.0, download))
         self._peers[peer] = p
         self._set_rate(p, p.rate)
         for ob in self._objects.values():
@@ -477,7 +480,9 @@ class Exchange:
     def upload_priority(self, peer: str) -> int:
         """Which connection a driver should feed first when several have pieces queued:
         the neighbour holding the fewest chunks (lowest value). The most-behind peer
-        decides when everybody is done, so it is served first."""
+        decides when everybody is done, so it is served first. (Ranking by download time
+        left instead, which favours slow links, measured worse: it starves the fast peers
+        that spread chunks through their regions.)"""
         p = self._peers.get(peer)
         if p is None:
             return 1 << 62
@@ -502,7 +507,7 @@ class Exchange:
                 if o is not None:
                     self._add_holder(o, msg.index, p, now)
                     if msg.index not in o.have and msg.index not in o.inflight:
-                        self._pick_one(o, msg.index, now)
+                        self._pick_one(o, msg.index, p, now)
                     if self.config.super_seed:
                         self._suggest_to(p, o)
         elif isinstance(msg, Bitfield):
@@ -675,9 +680,12 @@ class Exchange:
         return [p.peer for p in self._peers.values()
                 if p.region == self.region and not p.trainer]
 
-    def _pick_one(self, o: _Obj, idx: int, now: float) -> None:
-        """A neighbour announced ``idx``: request it if a source is free and budget left."""
-        if o.complete_at is not None or self._budget() <= 0:
+    def _pick_one(self, o: _Obj, idx: int, p: _Peer, now: float) -> None:
+        """``p`` announced ``idx``: request it if ``p`` can take a request and budget is
+        left (a busy ``p`` is reconsidered by the next full pick, when a slot frees)."""
+        if o.complete_at is not None or p.trainer or self._room(p) <= 0:
+            return
+        if self._budget() <= 0:
             return
         src = self._choose_source(o, idx, self._local_peers(), now, ())
         if src is not None:
@@ -686,6 +694,8 @@ class Exchange:
     def _pick(self, now: float) -> None:
         """Issue requests, rarest first, until the in-flight window is full."""
         cfg = self.config
+        if not any(self._room(p) > 0 for p in self._peers.values()):
+            return
         local_peers = self._local_peers()
         for o in self._objects.values():
             # super-seeded chunks go first and outside the window: they are few, and

@@ -175,9 +175,11 @@ class SwarmSim:
         ra, rb = self.topo.region[a], self.topo.region[b]
         names = self.pop.scenario.regions
         self.cores[a].connect(peer_name(b), self.now, region=names[rb], rtt=rtt,
-                              trainer=b == 0, upload=self.topo.up[b])
+                              trainer=b == 0, upload=self.topo.up[b],
+                              download=self.topo.down[b])
         self.cores[b].connect(peer_name(a), self.now, region=names[ra], rtt=rtt,
-                              trainer=a == 0, upload=self.topo.up[a])
+                              trainer=a == 0, upload=self.topo.up[a],
+                              download=self.topo.down[a])
 
     def _choose_neighbours(self, i: int, candidates: list[int]) -> None:
         sc = self.pop.scenario
@@ -199,6 +201,7 @@ class SwarmSim:
         for src, dst in ((a, b), (b, a)):
             slot = self.busy.pop((src, dst), None)
             if slot is not None:
+                self.net.advance(self.now)
                 self.net.cancel(slot)
                 self.flow_of.pop(slot, None)
                 self.up_active[src] -= 1
@@ -263,6 +266,7 @@ class SwarmSim:
                 bad = bytearray(piece.data)
                 bad[len(bad) // 2] ^= 0x5A
                 piece = Piece(piece.obj, piece.index, bytes(bad))
+            self.net.advance(self.now)
             slot = self.net.start(i, j, len(piece.data) + 48)
             self.busy[(i, j)] = slot
             self.flow_of[slot] = (i, j, piece)
@@ -310,8 +314,7 @@ class SwarmSim:
                 if t_heap > self.max_time:
                     break
                 t, _, kind, a, b, payload = heapq.heappop(self.heap)
-                self.net.advance(t)
-                self.now = t
+                self.now = t  # the network catches up lazily, when a flow changes
                 self._handle(kind, a, b, payload)
             self.events += 1
             if self.progress is not None and self.now - last_report >= 0.05:
@@ -384,6 +387,7 @@ class SwarmSim:
                     self._push(self.now + self._lat(v, j), _GONE, v, j, None)
 
     def _result(self, wall0: float) -> SwarmResult:
+        self.net.advance(max(self.now, self.net.now))
         honest = self._honest()
         complete = honest <= self.done.keys()
         completion = max((self.done[i] for i in honest), default=0.0) if complete else None
