@@ -32,6 +32,10 @@ class Patcher:
     any write). :meth:`apply` checks a chunk's id and decodes it completely before writing.
     :meth:`finish` recomputes the state root; on mismatch every applied chunk is reverted
     and :class:`IntegrityError` is raised.
+
+    Methods are CPU-bound (milliseconds per MiB of chunk, a hash of the whole state in
+    :meth:`finish`) and not thread-safe: async callers run them one at a time in a worker
+    thread (``asyncio.to_thread``).
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], signed: SignedManifest, *,
