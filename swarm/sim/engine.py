@@ -101,7 +101,7 @@ class SwarmSim:
         self._truth_by_id = dict(zip(self.spec.chunk_ids, self.truth, strict=True))
         self.config = config or ExchangeConfig()
         self.trainer_config = trainer_config or ExchangeConfig(
-            unchoke_all=True, super_seed=True, max_queue=256, suggest_depth=2,
+            unchoke_all=True, super_seed=True, max_queue=256, suggest_depth=1,
             suggest_total=48)
         self.scale_slots = True
         self.n_total = self.topo.n_nodes

@@ -82,7 +82,7 @@ class Scenario:
     """Other-region neighbours per peer."""
     upload_concurrency: int = 4
     """Pieces each peer sends at once (its upload scheduler); the rest wait their turn."""
-    trainer_upload_concurrency: int = 8
+    trainer_upload_concurrency: int = 4
     """Pieces the trainer sends at once."""
     rate_quantum: float = 0.002
     """Fair shares are recomputed at most once per this many seconds (0: on every
