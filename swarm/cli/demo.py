@@ -29,10 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", type=Path, default=Path(".demo"), help="working directory")
     p.add_argument("--peers", type=int, default=4, help="rollout peers")
     p.add_argument("--regions", type=int, default=2, help="WAN regions the peers are spread over")
-    p.add_argument("--steps", type=int, default=20, help="training steps")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--steps", type=int, default=30, help="training steps")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
-    p.add_argument("--lr", type=float, default=2e-3, help="learning rate")
+    p.add_argument("--lr", type=float, default=3e-2, help="learning rate (AdamW, eps 0.1)")
     p.add_argument("--uplink-mbps", type=float, default=20.0,
                    help="each peer's emulated uplink (Mbit/s)")
     p.add_argument("--trainer-uplink-mbps", type=float, default=40.0,

@@ -20,10 +20,11 @@ from swarm.cli._node import add_node_arguments, load_identity, node_config, shap
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_node_arguments(p)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps to run")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps to run")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=float, default=3e-2,
+                   help="AdamW learning rate (with eps 0.1: see swarm.demo.grpo.DemoConfig)")
     p.add_argument("--min-peers", type=int, default=1,
                    help="wait for this many peers before the first step")
     p.add_argument("--step-timeout", type=float, default=300.0,
