@@ -156,3 +156,23 @@ def test_simulate_command_writes_json_and_plot(tmp_path: Path,
     assert {m["name"] for m in doc["steps"][0]["methods"]} == {
         "swarm", "dense bf16 broadcast", "trainer-only unicast", "relay per region"}
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_preset_meets_the_goals() -> None:
+    """The issue's goals on the default preset: 64 heterogeneous peers in 4 regions."""
+    sc = PRESETS["paper"]
+    assert sc.peers == 64 and len(sc.regions) == 4
+    rep = run_step(sc, with_baselines=False)
+    assert all(rep.goals().values()), rep.to_json()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_preset_with_ten_percent_malicious_peers() -> None:
+    sc = PRESETS["paper"].with_(malicious=0.1)
+    pop = sc.build()
+    rep = run_step(sc, with_baselines=False)
+    assert rep.swarm.bit_exact and rep.swarm.honest_done == 64 - len(pop.malicious)
+    assert {b for _, b, _ in rep.swarm.bans} == {f"peer-{i:04d}" for i in pop.malicious}
