@@ -340,3 +340,42 @@ def test_hostile_messages_ban_without_crashing() -> None:
     me.receive("w", Choke(), 0.0)  # legal: nothing happens
     me.receive("nobody", Have(spec.obj, 0), 0.0)  # not connected: ignored
     assert "w" in me.neighbours
+
+
+def test_random_message_sequences_never_crash_the_core() -> None:
+    """Whatever a neighbour sends (in any order, any index), the core bans or ignores it
+    and keeps serving the others; it never raises."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    spec, chunks = make_object(5)
+    idx = st.integers(0, 9)
+    obj = st.sampled_from([spec.obj, b"z" * 32])
+    msgs = st.lists(st.one_of(
+        st.builds(Have, obj, idx), st.builds(Request, obj, idx),
+        st.builds(Cancel, obj, idx), st.builds(Reject, obj, idx),
+        st.builds(Suggest, obj, idx), st.just(Choke()), st.just(Unchoke()),
+        st.builds(Piece, obj, idx, st.sampled_from([chunks[0], chunks[1], b"junk"])),
+        st.builds(Bitfield, obj, st.just(5), st.binary(min_size=1, max_size=1)),
+    ), max_size=40)
+
+    @settings(max_examples=60, deadline=None)
+    @given(msgs, st.booleans())
+    def run(seq: list[Message], seeding: bool) -> None:
+        me = Exchange("me", seed=1, config=ExchangeConfig(super_seed=seeding,
+                                                          unchoke_all=seeding))
+        me.add_object(spec, 0.0, dict(enumerate(chunks)) if seeding else None)
+        me.connect("evil", 0.0)
+        me.connect("good", 0.0)
+        for k, m in enumerate(seq):
+            me.receive("evil", m, 0.01 * k)
+            me.handle_timer(0.01 * k + 0.005)
+            for _ in range(3):
+                if me.next_upload("evil", 0.01 * k) is None:
+                    break
+            me.take_outgoing()
+            me.take_events()
+        assert "good" in me.neighbours
+        assert all(me.chunk(spec.obj, i) in (None, chunks[i]) for i in range(5))
+
+    run()
