@@ -694,7 +694,8 @@ class Exchange:
     def _pick(self, now: float) -> None:
         """Issue requests, rarest first, until the in-flight window is full."""
         cfg = self.config
-        if not any(self._room(p) > 0 for p in self._peers.values()):
+        roomy = {p.peer for p in self._peers.values() if self._room(p) > 0}
+        if not roomy:
             return
         local_peers = self._local_peers()
         for o in self._objects.values():
@@ -713,15 +714,22 @@ class Exchange:
                 continue
             wanted = [i for i in range(len(o.spec.sizes))
                       if i not in o.have and i not in o.inflight]
-            order = picker.rarest_first(wanted, o.local, o.availability, self._salt,
+            # only chunks some neighbour with a free slot holds can be asked for now
+            # (the others wait for a slot: a piece arrival or a reject calls this again)
+            ready = [i for i in wanted if not o.holders[i].isdisjoint(roomy)]
+            order = picker.rarest_first(ready, o.local, o.availability, self._salt,
                                         o.suggested)
             for idx in order:
-                if budget <= 0:
+                if budget <= 0 or not roomy:
                     return
+                if o.holders[idx].isdisjoint(roomy):
+                    continue
                 src = self._choose_source(o, idx, local_peers, now, ())
                 if src is not None:
                     self._request(o, idx, src, now)
                     budget -= o.spec.sizes[idx]
+                    if self._room(self._peers[src]) <= 0:
+                        roomy.discard(src)
             if wanted or not o.inflight:
                 continue
             # strict endgame: every missing chunk is requested; ask a second source for
