@@ -18,6 +18,8 @@ from swarm.errors import LocalProtocolError
 from swarm.sim.network import Topology
 
 GBPS = 1e9 / 8
+MAX_PEERS = 4096
+MAX_CHUNKS = 1 << 16
 QWEN3_8B_BF16_BYTES = 16.4e9
 
 
@@ -33,8 +35,8 @@ class LinkClass:
 
 @dataclass(frozen=True, slots=True)
 class ChurnEvent:
-    """At ``at`` seconds, ``count`` peers ``"crash"`` (silently), ``"leave"`` (saying so)
-    or ``"join"`` (new peers that start with nothing)."""
+    """At ``at`` seconds, ``count`` peers still downloading ``"crash"`` (silently) or
+    ``"leave"`` (saying so), or ``count`` new peers ``"join"`` with nothing."""
 
     at: float
     kind: str
@@ -118,6 +120,14 @@ class Scenario:
             raise LocalProtocolError("link classes need positive capacities")
         if not 0 <= self.malicious < 1 or self.delta_ratio < 1 or self.chunk_bytes < 1024:
             raise LocalProtocolError("malicious in [0, 1), delta_ratio >= 1, chunks >= 1 KiB")
+        if self.peers + sum(e.count for e in self.churn) > MAX_PEERS:
+            raise LocalProtocolError(f"at most {MAX_PEERS} peers")
+        if len(self.chunk_sizes()) > MAX_CHUNKS or self.steps < 1 or self.steps > 1000:
+            raise LocalProtocolError(f"at most {MAX_CHUNKS} chunks and 1..1000 steps")
+        if (self.upload_concurrency < 1 or self.trainer_upload_concurrency < 1
+                or self.rate_quantum < 0 or self.max_local < 0 or self.max_remote < 0
+                or self.rollout_s < 0):
+            raise LocalProtocolError("concurrency >= 1; quantum, neighbours, rollout >= 0")
 
     def build(self) -> Population:
         """Assign regions and link classes (deterministic from the seed)."""
