@@ -170,3 +170,19 @@ def test_weight_like_delta_is_small_and_exact(density: float) -> None:
     assert total * 8 < 1.15 * entropy_bits + 8 * 400
     assert total < dense_bytes
     roundtrip(old, new, EncoderConfig(), 0)
+
+
+def test_far_apart_changes_use_escaped_gaps_and_stay_exact() -> None:
+    """A class with many adjacent changes and one far away: the far gap overflows the Rice
+    quotient and travels as an escaped raw gap; decoding restores it exactly."""
+    n = 3_000_000
+    old = {"w": torch.ones(n, dtype=torch.bfloat16)}
+    new = {"w": old["w"].clone()}
+    far = [2_999_999, 1_500_000]
+    new["w"][:200] = 1.0078125  # one ULP up, gaps of 0
+    new["w"][far] = 0.99609375  # one ULP down, far from the rest
+    roundtrip(old, new, EncoderConfig(threads=1), 3)
+    state = clone_state(old)
+    for c in delta_chunks(old, new):
+        apply_chunk(state, c.data)
+    assert same_bits(state, new)

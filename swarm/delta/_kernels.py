@@ -93,25 +93,6 @@ def scan_changes(old, new, shift, emask, signbit, full,  # type: ignore[no-untyp
 
 
 @nb.njit(cache=True, nogil=True)
-def _put(out, acc, meta, value, nbits):  # type: ignore[no-untyped-def]
-    """Append the ``nbits`` (<= 32) low bits of ``value`` LSB-first.
-
-    ``acc[0]`` holds pending bits, ``meta`` = [pending bit count, bytes written].
-    """
-    a = acc[0] | (np.uint64(value) << np.uint64(meta[0]))
-    used = meta[0] + nbits
-    pos = meta[1]
-    while used >= 8:
-        out[pos] = a & np.uint64(0xFF)
-        a >>= np.uint64(8)
-        used -= 8
-        pos += 1
-    acc[0] = a
-    meta[0] = used
-    meta[1] = pos
-
-
-@nb.njit(cache=True, nogil=True)
 def group_encode(cls, rank, d, k, nclass, nbytes_val, full, half,  # type: ignore[no-untyped-def]
                  ccount, kparam, gaps_out, signs_out, mags_out):
     """Group changes by class; write Rice-coded rank gaps (one parameter per class: the
@@ -163,29 +144,39 @@ def group_encode(cls, rank, d, k, nclass, nbytes_val, full, half,  # type: ignor
                 best = kk
         kparam[e] = best
         p0 += c
-    acc = np.zeros(1, np.uint64)
-    meta = np.zeros(2, np.int64)
+    acc = ZERO
+    used = np.uint64(0)
+    pos = 0
     m = 0
     p0 = 0
     for e in range(nclass):
         c = ccount[e]
         if c == 0:
             continue
-        kk = kparam[e]
+        kb = np.uint64(kparam[e])
+        kmask = (ONE << kb) - ONE
         for p in range(p0, p0 + c):
-            g = gapv[p]
-            q = g >> kk
-            if q < RICE_QMAX:
-                _put(gaps_out, acc, meta, (np.int64(1) << q) - 1, q + 1)
-                if kk:
-                    _put(gaps_out, acc, meta, g & ((np.int64(1) << kk) - 1), kk)
+            g = np.uint64(gapv[p])
+            q = g >> kb
+            if q < np.uint64(RICE_QMAX):
+                code = ((ONE << q) - ONE) | ((g & kmask) << (q + ONE))
+                nbits = q + ONE + kb
             else:
-                _put(gaps_out, acc, meta, (np.int64(1) << RICE_QMAX) - 1, RICE_QMAX)
-                _put(gaps_out, acc, meta, g, 32)
+                code = ((ONE << np.uint64(RICE_QMAX)) - ONE) | (g << np.uint64(RICE_QMAX))
+                nbits = np.uint64(RICE_QMAX + 32)
+            # acc holds < 8 pending bits; a code is at most 56 bits
+            acc |= code << used
+            used += nbits
+            while used >= np.uint64(8):
+                gaps_out[pos] = acc & np.uint64(0xFF)
+                acc >>= np.uint64(8)
+                used -= np.uint64(8)
+                pos += 1
         p0 += c
-    if meta[0]:
-        _put(gaps_out, acc, meta, 0, 8 - meta[0])
-    g_bytes = meta[1]
+    if used:
+        gaps_out[pos] = acc & np.uint64(0xFF)
+        pos += 1
+    g_bytes = pos
     for p in range(k):
         j = order[p]
         dd = np.uint64(d[j])
@@ -206,41 +197,64 @@ def group_encode(cls, rank, d, k, nclass, nbytes_val, full, half,  # type: ignor
     return g_bytes, m
 
 
+_DEBRUIJN = np.array([0, 47, 1, 56, 48, 27, 2, 60, 57, 49, 41, 37, 28, 16, 3, 61, 54, 58, 35,
+                      52, 50, 42, 21, 44, 38, 32, 29, 23, 17, 11, 4, 62, 46, 55, 26, 59, 40,
+                      36, 15, 53, 34, 51, 20, 43, 31, 22, 10, 45, 25, 39, 14, 33, 19, 30, 9,
+                      24, 13, 18, 8, 12, 7, 6, 5, 63], np.int64)
+
+
+@nb.njit(cache=True, nogil=True, inline="always")  # type: ignore[untyped-decorator,unused-ignore]
+def _ctz(m):  # type: ignore[no-untyped-def]
+    """Index of the lowest set bit of a non-zero uint64."""
+    return _DEBRUIJN[((m ^ (m - ONE)) * np.uint64(0x03F79D71B4CB0A89)) >> np.uint64(58)]
+
+
+@nb.njit(cache=True, nogil=True, inline="always")  # type: ignore[untyped-decorator,unused-ignore]
+def _peek(w, b):  # type: ignore[no-untyped-def]
+    """64 bits of the little-endian word stream ``w`` from bit ``b`` (LSB first)."""
+    q = b >> 6
+    r = np.uint64(b & 63)
+    lo = w[q] >> r
+    if r == ZERO:
+        return lo
+    return lo | (w[q + 1] << (np.uint64(64) - r))
+
+
 @nb.njit(cache=True, nogil=True)
 def decode_gaps(ccounts, kparams, gaps, gaps_out, limit):  # type: ignore[no-untyped-def]
     """Rice-coded rank gaps, grouped by class. 0 ok, 1 truncated, 2 trailing bytes or
-    bits, 3 non-canonical escape, 4 rank past the segment."""
-    nbits = gaps.shape[0] * 8
+    bits, 3 non-canonical escape, 4 rank past the segment.
+
+    Codes are read 64 bits at a time from a zero-padded word copy of the stream.
+    """
+    nbytes = gaps.shape[0]
+    nbits = nbytes * 8
+    w = np.zeros(nbytes // 8 + 2, np.uint64)
+    wb = w.view(np.uint8)
+    for t in range(nbytes):
+        wb[t] = gaps[t]
+    cap = ONE << np.uint64(RICE_QMAX)
     b = 0
     p = 0
     for ci in range(ccounts.shape[0]):
         kk = kparams[ci]
+        kmask = (ONE << np.uint64(kk)) - ONE
         last = -1
         for _ in range(ccounts[ci]):
-            q = 0
-            while q < RICE_QMAX:
-                if b >= nbits:
-                    return 1
-                bit = (gaps[b >> 3] >> (b & 7)) & 1
-                b += 1
-                if bit == 0:
-                    break
-                q += 1
+            if b >= nbits:
+                return 1
+            x = _peek(w, b)
+            q = _ctz(~x | cap)
             if q < RICE_QMAX:
-                if b + kk > nbits:
+                if b + q + 1 + kk > nbits:
                     return 1
-                low = np.int64(0)
-                for t in range(kk):
-                    low |= np.int64((gaps[(b + t) >> 3] >> ((b + t) & 7)) & 1) << t
-                b += kk
-                v = (np.int64(q) << kk) | low
+                v = (np.int64(q) << kk) | np.int64((x >> np.uint64(q + 1)) & kmask)
+                b += q + 1 + kk
             else:
-                if b + 32 > nbits:
+                if b + RICE_QMAX + 32 > nbits:
                     return 1
-                v = np.int64(0)
-                for t in range(32):
-                    v |= np.int64((gaps[(b + t) >> 3] >> ((b + t) & 7)) & 1) << t
-                b += 32
+                v = np.int64((x >> np.uint64(RICE_QMAX)) & np.uint64(0xFFFFFFFF))
+                b += RICE_QMAX + 32
                 if (v >> kk) < RICE_QMAX:
                     return 3
             last = last + 1 + v
@@ -248,12 +262,10 @@ def decode_gaps(ccounts, kparams, gaps, gaps_out, limit):  # type: ignore[no-unt
                 return 4
             gaps_out[p] = v
             p += 1
-    if (b + 7) // 8 != gaps.shape[0]:
+    if (b + 7) // 8 != nbytes:
         return 2
-    while b < nbits:
-        if (gaps[b >> 3] >> (b & 7)) & 1:
-            return 2
-        b += 1
+    if b < nbits and (np.uint64(gaps[nbytes - 1]) >> np.uint64(b & 7)) != ZERO:
+        return 2
     return 0
 
 
