@@ -35,12 +35,14 @@ class NodeBase:
         self._exchange_config = exchange_config
         self._seed = seed
         self._tasks: list[asyncio.Task[None]] = []
+        self._coros: list[Coroutine[Any, Any, None]] = []
         self.driver: ExchangeDriver
         self.closed = asyncio.Event()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(self._guard(coro, name), name=name)
         self._tasks.append(task)
+        self._coros.append(coro)
 
     async def _guard(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         try:
@@ -69,7 +71,10 @@ class NodeBase:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        for coro in self._coros:
+            coro.close()  # a task cancelled before it ran never started its coroutine
         self._tasks.clear()
+        self._coros.clear()
         await self.driver.__aexit__(None, None, None)
 
     async def _peer_events(self) -> None:

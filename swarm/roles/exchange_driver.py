@@ -148,12 +148,15 @@ class ExchangeDriver:
         while True:
             self._kick.clear()
             deadline = self.exchange.next_timer()
-            if deadline is not None:
-                delay = max(0.0, deadline - self.now())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._kick.wait(), timeout=delay)
-            else:
+            # A timer sets the event rather than wait_for cancelling the wait: on Python
+            # 3.11 wait_for racing with __aexit__'s cancel can swallow the cancel.
+            alarm = None if deadline is None else \
+                self._loop.call_later(max(0.0, deadline - self.now()), self._kick.set)
+            try:
                 await self._kick.wait()
+            finally:
+                if alarm is not None:
+                    alarm.cancel()
             timer = self.exchange.next_timer()
             if timer is not None and timer <= self.now():
                 self.exchange.handle_timer(self.now())

@@ -5,6 +5,14 @@ arrives (while the engine keeps generating with the previous one), checks the pa
 state's root against the trainer's signed manifest, and only then pushes the changed
 tensors into the engine, at a rollout boundary. Work comes as leases signed by the
 trainer; results go back signed by this peer.
+
+With a ``data_dir`` it survives its own restarts: after each verified version it saves the
+state with the signed manifest of that version (atomically), and keeps received chunks in
+a bounded :class:`~swarm.content.store.DiskChunkStore`. A peer opened again on that
+directory checks the saved state against the trainer's signature and root, resumes at its
+version and catches up by deltas; chunks already on disk are not fetched again. With
+``bootstrap`` addresses it survives trainer restarts: while the trainer is not connected
+it redials them with a bounded backoff, then asks the trainer for what it missed.
 """
 
 from __future__ import annotations
@@ -15,18 +23,20 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from swarm.content.manifest import SignedManifest
+from swarm.content.store import DiskChunkStore
 from swarm.delta.patch import Patcher
-from swarm.delta.state import KeyframeFiller, state_root_of
+from swarm.delta.state import KeyframeFiller, layout_of, state_root_of
 from swarm.engines import RolloutEngine, Sampling
 from swarm.errors import DecodeError, IntegrityError, SwarmError
 from swarm.identity import Identity, public_key_from_peer_id
 from swarm.net import topics
 from swarm.net.transport import Subscription
-from swarm.protocol.exchange import Event, ExchangeConfig, ObjectSpec, PeerBanned
+from swarm.protocol.exchange import ChunkStored, Event, ExchangeConfig, ObjectSpec, PeerBanned
 from swarm.protocol.leases import (
     Completion,
     Lease,
@@ -36,11 +46,13 @@ from swarm.protocol.leases import (
     decode_message,
 )
 from swarm.protocol.leases import Message as LeaseMessage
-from swarm.roles import sync
+from swarm.roles import persist, sync
 from swarm.roles.common import Network, NodeBase
 from swarm.roles.mux import Channel
 
 log = logging.getLogger(__name__)
+
+STATE_FILE = "peer.state"
 
 StatusFn = Callable[[str, dict[str, object]], None]
 
@@ -62,6 +74,16 @@ class PeerConfig:
     claim_retry: float = 0.5
     """Seconds to wait before claiming again after the trainer had no work."""
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
+    data_dir: Path | None = None
+    """Where the verified state and received chunks are kept (None: nothing is saved)."""
+    bootstrap: tuple[str, ...] = ()
+    """Addresses redialled while the trainer is not connected (the trainer's own, or
+    bootstrap nodes it is reachable through)."""
+    reconnect_min: float = 0.5
+    """First wait between redials; doubles up to ``reconnect_max``."""
+    reconnect_max: float = 10.0
+    store_budget: int = 256 << 20
+    """Bytes of received chunks kept on disk (the two newest versions always stay)."""
 
 
 class RolloutPeer(NodeBase):
@@ -91,8 +113,21 @@ class RolloutPeer(NodeBase):
         self.verify_failures = 0
         self.tasks_done = 0
         self.bans: list[tuple[str, str]] = []
+        #: The version restored from ``data_dir`` at start (-1: none).
+        self.resumed_version = -1
+        self.reconnects = 0
+        self._trainer_lost = asyncio.Event()
+        self._store: DiskChunkStore | None = None
+        self._state_path: Path | None = None
+        self._fetching: dict[bytes, tuple[int, tuple[bytes, ...]]] = {}
+        self._to_store: asyncio.Queue[tuple[bytes, bytes, int]] = asyncio.Queue(256)
+        if config.data_dir is not None:
+            self._state_path = config.data_dir / STATE_FILE
+            self._store = DiskChunkStore(config.data_dir / "chunks",
+                                         budget_bytes=config.store_budget)
 
     async def __aenter__(self) -> RolloutPeer:
+        await self._resume()
         await self.start(self._on_exchange_event)
         sub = await self.net.subscribe(topics.manifests(self.config.run),
                                        topics.manifest_validator(self.trainer_key))
@@ -103,6 +138,10 @@ class RolloutPeer(NodeBase):
         self.spawn(self._work(), "work")
         self.spawn(self._heartbeats(), "heartbeats")
         self.spawn(self._discover(), "discover")
+        if self._store is not None:
+            self.spawn(self._store_chunks(self._store), "chunk store")
+        if self.config.bootstrap:
+            self.spawn(self._reconnect(), "reconnect")
         if self.config.trainer in self.net.connected_peers():
             await self._ask_sync()
         return self
@@ -118,11 +157,103 @@ class RolloutPeer(NodeBase):
                 self.spawn(self._ask_sync(), "sync request")
         else:
             self.driver.disconnected(peer)
+            if peer == self.config.trainer:
+                self._trainer_lost.set()
 
     def _on_exchange_event(self, ev: Event) -> None:
-        if isinstance(ev, PeerBanned):
+        if isinstance(ev, ChunkStored):
+            fetching = self._fetching.get(ev.obj)
+            if fetching is not None:
+                version, ids = fetching
+                try:
+                    self._to_store.put_nowait((ids[ev.index], ev.data, version))
+                except asyncio.QueueFull:
+                    log.debug("chunk store busy: chunk %d of step %d kept in memory only",
+                              ev.index, version)
+        elif isinstance(ev, PeerBanned):
             self.bans.append((ev.peer, ev.reason))
             self._status("banned", {"peer": ev.peer, "reason": ev.reason})
+
+    # -- restarts ----------------------------------------------------------------------
+    async def _resume(self) -> None:
+        """Load the state saved in ``data_dir``; a refused one is moved aside."""
+        path = self._state_path
+        if path is None:
+            return
+        try:
+            saved = await asyncio.to_thread(
+                persist.load_state, path, trusted_signer=self.trainer_key, run=self.config.run,
+                layout=layout_of(self.state))
+        except SwarmError as exc:
+            persist.discard(path, str(exc))
+            self._status("resume_refused", {"error": str(exc)})
+            return
+        if saved is None:
+            return
+        with torch.no_grad():
+            for name, tensor in saved.state.items():
+                self.state[name].copy_(tensor)
+        await asyncio.to_thread(self.engine.apply, dict(self.state))
+        self.version, self.root = saved.step, saved.root
+        self.resumed_version = saved.step
+        log.info("resumed at step %d from %s", saved.step, path)
+        self._status("resumed", {"version": saved.step})
+
+    async def _save(self, sm: SignedManifest) -> None:
+        if self._state_path is None:
+            return
+        try:
+            await asyncio.to_thread(persist.save_state, self._state_path, self.state, [sm])
+        except SwarmError as exc:
+            log.error("could not save step %d: %s", sm.manifest.step, exc)
+
+    async def _store_chunks(self, store: DiskChunkStore) -> None:
+        while True:
+            cid, data, version = await self._to_store.get()
+            try:
+                await asyncio.to_thread(store.put, cid, data, version)
+            except SwarmError as exc:
+                log.error("could not store a chunk of step %d: %s", version, exc)
+
+    async def _stored(self, spec: ObjectSpec) -> dict[int, bytes]:
+        """Chunks of ``spec`` already in the chunk store (verified on read)."""
+        store = self._store
+        if store is None:
+            return {}
+
+        def read() -> dict[int, bytes]:
+            out = {}
+            for i, cid in enumerate(spec.chunk_ids):
+                if store.has(cid) and (data := store.get(cid)) is not None:
+                    out[i] = data
+            return out
+
+        return await asyncio.to_thread(read)
+
+    async def _reconnect(self) -> None:
+        """Redial the bootstrap addresses while the trainer is away (bounded backoff)."""
+        delay = self.config.reconnect_min
+        while True:
+            if self.config.trainer in self.net.connected_peers():
+                delay = self.config.reconnect_min
+                self._trainer_lost.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.config.reconnect_max):
+                        await self._trainer_lost.wait()
+                continue
+            for addr in self.config.bootstrap:
+                try:
+                    await self.net.connect(addr)
+                except (SwarmError, OSError) as exc:
+                    log.debug("redial %s: %s", addr, exc)
+            if self.config.trainer in self.net.connected_peers():
+                self.reconnects += 1
+                log.info("trainer reachable again (reconnect %d)", self.reconnects)
+                self._status("reconnected", {"version": self.version})
+                await self._ask_sync()
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.reconnect_max)
 
     # -- versions ----------------------------------------------------------------------
     async def _ask_sync(self) -> None:
@@ -198,9 +329,12 @@ class RolloutPeer(NodeBase):
             if spec.chunk_ids:
                 if sm.manifest.kind == "keyframe" and await self._local_matches(sm):
                     self.driver.add_object(spec, self._pieces_of_local(sm))
-                else:
-                    self.driver.add_object(spec)
+                elif not self.driver.has_object(spec.obj):
+                    if self._store is not None:
+                        self._fetching[spec.obj] = (sm.manifest.step, spec.chunk_ids)
+                    self.driver.add_object(spec, await self._stored(spec))
                 await self.driver.wait_complete(spec.obj)
+                self._fetching.pop(spec.obj, None)
             fetched = time.perf_counter() - t0
             try:
                 changed, verified_at = await self._install(sm, spec)
@@ -267,6 +401,7 @@ class RolloutPeer(NodeBase):
                 await asyncio.to_thread(self.engine.apply,
                                         {n: self.state[n] for n in changed})
             self.version, self.root = sm.manifest.step, root
+        await self._save(sm)
         async with self._version_changed:
             self._version_changed.notify_all()
         return changed, verified_at

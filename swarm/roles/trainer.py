@@ -9,6 +9,13 @@ Library use (any torch model; ``inference_state`` is the state peers run, e.g. b
             batch = await node.collect(len(prompts))  # accepted, signed results
             train(batch)
             await node.publish(inference_state)       # version step: a sparse delta
+
+Restarts: every published version is written to ``data_dir`` before it is announced (the
+state with the kept signed manifests in one atomic file, the delta chunks in a
+:class:`~swarm.content.store.DiskChunkStore`), and the lease book lives there in SQLite.
+A :class:`TrainerNode` opened again on the same ``data_dir`` with the same identity
+resumes: ``step`` continues, catch-up requests are answered from the restored chain, and
+the next :meth:`TrainerNode.publish` is a delta from the restored state.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ import torch
 
 from swarm.content.manifest import SignedManifest
 from swarm.content.pieces import DEFAULT_PIECE_SIZE, piece_slices
+from swarm.content.store import DiskChunkStore
 from swarm.delta.pipeline import EncoderConfig, encode_delta
 from swarm.delta.state import keyframe_manifest, layout_of, piece_bytes, state_root_of
-from swarm.errors import DecodeError
+from swarm.errors import DecodeError, SwarmError
 from swarm.identity import Identity
 from swarm.net import topics
 from swarm.protocol.exchange import ExchangeConfig, ObjectSpec
@@ -38,12 +46,14 @@ from swarm.protocol.leases import (
     SamplingParams,
     TrainerLeases,
 )
-from swarm.roles import sync
+from swarm.roles import persist, sync
 from swarm.roles.common import Network, NodeBase
 from swarm.roles.mux import Channel
 from swarm.roles.trainer_state import TrainerState
 
 log = logging.getLogger(__name__)
+
+STATE_FILE = "published.state"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +63,8 @@ class TrainerConfig:
     run: str
     """Run name: gossip topics and every signed message carry it."""
     data_dir: Path
-    """Lease book (SQLite, WAL) lives here; a restarted trainer resumes from it."""
+    """Lease book (SQLite, WAL), the latest published state with its kept manifests, and
+    the kept delta chunks live here; a restarted trainer resumes from them."""
     region: str = ""
     piece_size: int = DEFAULT_PIECE_SIZE
     """Piece size of state roots and keyframes."""
@@ -91,18 +102,26 @@ class TrainerNode(NodeBase):
         self.config = config
         self.state_db = TrainerState(config.data_dir, run=config.run,
                                      trainer_key=identity.public_key)
-        self.leases = TrainerLeases.restore(
+        book = self.state_db.load()
+        #: Whether the lease book saw a version published (by an earlier run of this node).
+        self._book_published = book.last_publish is not None
+        self.leases = TrainerLeases(
             identity, LeaseConfig(run=config.run, max_staleness=config.max_staleness),
-            self.state_db, now=time.time())
+            store=self.state_db, snapshot=book, now=time.time())
         self.manifests: deque[SignedManifest] = deque(maxlen=config.keep_versions + 1)
         self._state: dict[str, torch.Tensor] | None = None
         self._root: bytes | None = None
         self._keyframe: SignedManifest | None = None
         self._accepted: asyncio.Queue[Accepted] = asyncio.Queue()
         self._lease_wake = asyncio.Event()
+        self._state_path = config.data_dir / STATE_FILE
+        self._chunks = DiskChunkStore(config.data_dir / "chunks")
+        #: Versions restored from ``data_dir`` when this node opened (-1: none).
+        self.restored_step = -1
 
     async def __aenter__(self) -> TrainerNode:
         await self.start()
+        await self._restore()
         self.spawn(self._lease_loop(), "leases")
         self.spawn(self._lease_timer(), "lease timer")
         self.spawn(self._sync_loop(), "sync")
@@ -116,11 +135,77 @@ class TrainerNode(NodeBase):
     def step(self) -> int:
         return self.manifests[-1].manifest.step if self.manifests else -1
 
+    # -- restarts ----------------------------------------------------------------------
+    async def _restore(self) -> None:
+        """Resume from ``data_dir``: the published state, its manifests, their chunks."""
+        try:
+            saved = await asyncio.to_thread(
+                persist.load_state, self._state_path, trusted_signer=self.identity.public_key,
+                run=self.config.run)
+        except SwarmError as exc:
+            persist.discard(self._state_path, str(exc))
+            return
+        if saved is None:
+            return
+        kept: list[SignedManifest] = []
+        objects: list[tuple[ObjectSpec, dict[int, bytes]]] = []
+        for sm in reversed(saved.manifests):
+            if sm.manifest.kind == "keyframe":
+                if sm is saved.manifest:
+                    objects.append((ObjectSpec.from_manifest(sm),
+                                    _pieces(saved.state, sm.manifest.piece_size)))
+                kept.append(sm)
+                continue
+            data = await asyncio.to_thread(self._stored_chunks, sm)
+            if data is None:
+                log.warning("restore: chunks of step %d are gone; peers behind it get a "
+                            "keyframe", sm.manifest.step)
+                break
+            objects.append((ObjectSpec.from_manifest(sm), data))
+            kept.append(sm)
+        kept.reverse()
+        self.manifests.extend(kept[-(self.config.keep_versions + 1):])
+        self._state, self._root = saved.state, saved.root
+        for spec, data in objects:
+            self.driver.add_object(spec, data)
+        if self.leases.latest_version < saved.step:
+            self.leases.publish_version(saved.step, time.time())
+        self.restored_step = saved.step
+        log.info("restored step %d (%d manifests kept) from %s", saved.step,
+                 len(self.manifests), self.config.data_dir)
+
+    def _stored_chunks(self, sm: SignedManifest) -> dict[int, bytes] | None:
+        data = {}
+        for i, (cid, _) in enumerate(sm.manifest.chunks):
+            chunk = self._chunks.get(cid)
+            if chunk is None:
+                return None
+            data[i] = chunk
+        return data
+
+    def _persist(self, sm: SignedManifest, data: Mapping[int, bytes],
+                 snapshot: Mapping[str, torch.Tensor]) -> None:
+        """Write a version before it is announced (runs in a worker thread)."""
+        step = sm.manifest.step
+        if sm.manifest.kind == "delta":
+            for i, (cid, _) in enumerate(sm.manifest.chunks):
+                self._chunks.put(cid, data[i], step)
+        kept = [*list(self.manifests)[-self.config.keep_versions:], sm]
+        persist.save_state(self._state_path, snapshot, kept)
+        first = kept[0].manifest.step
+        for v in self._chunks.versions():
+            if v < first:
+                self._chunks.drop_version(v)
+
     # -- publishing --------------------------------------------------------------------
     async def publish(self, state: Mapping[str, torch.Tensor]) -> Published:
         """Extract, encode, sign and seed the next version; returns when it is announced."""
         t0 = time.perf_counter()
         step = self.step + 1
+        if self._state is None and self._book_published:
+            # The saved state was lost or refused but the lease book lives on: versions
+            # keep rising, so peers holding an older version take this one.
+            step = self.leases.latest_version + 1
         snapshot = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
         dense = layout_of(snapshot).nbytes
         now_ms = int(time.time() * 1000)
@@ -128,8 +213,7 @@ class TrainerNode(NodeBase):
             sm = await asyncio.to_thread(keyframe_manifest, snapshot, self.identity,
                                          self.config.run, step,
                                          piece_size=self.config.piece_size, time_ms=now_ms)
-            slices = piece_slices(layout_of(snapshot), self.config.piece_size)
-            data = {i: piece_bytes(snapshot, t, off, n) for i, (t, off, n) in enumerate(slices)}
+            data = _pieces(snapshot, self.config.piece_size)
             root = sm.manifest.target_root
         else:
             root = await asyncio.to_thread(state_root_of, snapshot, self.config.piece_size)
@@ -139,6 +223,7 @@ class TrainerNode(NodeBase):
                                      chunk_target=self.config.chunk_target),
                 base_root=self._root, target_root=root, time_ms=now_ms)
             data = {i: c.data for i, c in enumerate(chunks)}
+        await asyncio.to_thread(self._persist, sm, data, snapshot)
         self._state, self._root = snapshot, root
         self.manifests.append(sm)
         if sm.manifest.chunks:
@@ -189,12 +274,14 @@ class TrainerNode(NodeBase):
         while True:
             self._lease_wake.clear()
             deadline = self.leases.next_deadline()
-            delay = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.time()))
+            delay = 1.0 if deadline is None else min(1.0, max(0.01, deadline - time.time()))
+            # A timer sets the event rather than a timeout cancelling the wait: on Python
+            # 3.11 a timeout racing with stop()'s cancel can swallow the cancel.
+            timer = asyncio.get_running_loop().call_later(delay, self._lease_wake.set)
             try:
-                async with asyncio.timeout(delay):
-                    await self._lease_wake.wait()
-            except TimeoutError:
-                pass
+                await self._lease_wake.wait()
+            finally:
+                timer.cancel()
             self.leases.tick(time.time())
 
     # -- catch-up ----------------------------------------------------------------------
@@ -249,10 +336,13 @@ class TrainerNode(NodeBase):
         sm = await asyncio.to_thread(keyframe_manifest, state, self.identity, self.config.run,
                                      step, piece_size=self.config.piece_size,
                                      time_ms=int(time.time() * 1000))
-        slices = piece_slices(layout_of(state), self.config.piece_size)
         self.driver.add_object(ObjectSpec.from_manifest(sm),
-                               {i: piece_bytes(state, t, off, n)
-                                for i, (t, off, n) in enumerate(slices)})
+                               _pieces(state, self.config.piece_size))
         await self.net.publish(topics.manifests(self.config.run), sm.encode())
         self._keyframe = sm
         return sm
+
+
+def _pieces(state: Mapping[str, torch.Tensor], piece_size: int) -> dict[int, bytes]:
+    slices = piece_slices(layout_of(state), piece_size)
+    return {i: piece_bytes(state, t, off, n) for i, (t, off, n) in enumerate(slices)}
