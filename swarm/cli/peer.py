@@ -60,9 +60,13 @@ async def _main(args: argparse.Namespace) -> int:
             shaped(raw, args) as net:
         report.emit("ready", addr=raw.listen_addresses[0], peer_id=identity.peer_id,
                     region=args.region)
+        # DATA_DIR keeps the last verified version and received chunks: a restarted peer
+        # resumes there; the bootstrap addresses are redialled if the trainer goes away.
         peer = RolloutPeer(identity, net, PeerConfig(run=args.run, trainer=args.trainer,
                                                      region=args.region,
-                                                     want_tasks=args.tasks),
+                                                     want_tasks=args.tasks,
+                                                     data_dir=args.data_dir,
+                                                     bootstrap=tuple(args.bootstrap)),
                            state, engine, status=report)
         async with peer:
             if args.corrupt:

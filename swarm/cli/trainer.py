@@ -4,18 +4,29 @@ It trains the demo's tiny Qwen3 policy on the digit-sorting task: every step it 
 the step's prompts as rollout tasks, waits for signed results from the peers, computes
 rewards, takes a GRPO step on the fp32 master and publishes the new bf16 state as a
 sparse delta. For your own model and loop, use :class:`swarm.roles.trainer.TrainerNode`.
+
+Restarts: DATA_DIR keeps the lease book, the published state with its manifests (see
+:class:`~swarm.roles.trainer.TrainerNode`) and ``master.pt`` (fp32 master and optimizer,
+written atomically after each step). Started again on the same DATA_DIR it continues at
+the next step; peers redial it by themselves.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
+import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from swarm.cli._node import add_node_arguments, load_identity, node_config, shaped, stop_on_signals
+
+log = logging.getLogger(__name__)
+MASTER_FILE = "master.pt"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,13 +91,21 @@ async def _main(args: argparse.Namespace) -> int:
             tmp.write_text(addr + "\n")
             tmp.replace(args.addr_file)
         report.emit("ready", addr=addr, peer_id=identity.peer_id)
-        pub = await node.publish(inference_state(master, cfg.inference_dtype))
-        report.emit("published", step=0, kind="keyframe", bytes=pub.payload_bytes,
-                    dense=pub.dense_bytes, ratio=round(pub.ratio, 2))
+        ckpt_path = args.data_dir / MASTER_FILE
+        if node.step >= 0:
+            ckpt_step = _load_master(ckpt_path, master, optimizer, node.step)
+            if ckpt_step == node.step + 1:  # trained, not yet published when it stopped
+                await node.publish(inference_state(master, cfg.inference_dtype))
+            report.emit("resumed", step=node.step, master=ckpt_step)
+        else:
+            pub = await node.publish(inference_state(master, cfg.inference_dtype))
+            report.emit("published", step=0, kind="keyframe", bytes=pub.payload_bytes,
+                        dense=pub.dense_bytes, ratio=round(pub.ratio, 2))
+        first = node.step + 1
         async with asyncio.timeout(args.step_timeout):
             while len(net.connected_peers()) < args.min_peers:
                 await asyncio.sleep(0.2)
-        for step in range(1, cfg.steps + 1):
+        for step in range(first, cfg.steps + 1):
             t0 = time.perf_counter()
             prompts = rollout_prompts(cfg, step)
             sampling = SamplingParams(
@@ -110,6 +129,7 @@ async def _main(args: argparse.Namespace) -> int:
                 train_step, master, optimizer, [prompt_of[t] for t in order], groups,
                 rewards, temperature=cfg.temperature, clip_eps=cfg.clip_eps,
                 max_grad_norm=cfg.max_grad_norm)
+            await asyncio.to_thread(_save_master, ckpt_path, master, optimizer, step)
             t2 = time.perf_counter()
             pub = await node.publish(inference_state(master, cfg.inference_dtype))
             holders = {a.holder for a in accepted}
@@ -129,3 +149,33 @@ async def _main(args: argparse.Namespace) -> int:
         # Keep seeding so the last version reaches every peer.
         await asyncio.sleep(args.linger)
     return 0
+
+
+def _save_master(path: Path, master: Any, optimizer: Any, step: int) -> None:
+    import torch
+
+    from swarm.roles.persist import write_atomic
+
+    buf = io.BytesIO()
+    torch.save({"step": step, "model": master.state_dict(), "optim": optimizer.state_dict()},
+               buf)
+    write_atomic(path, [buf.getvalue()])
+
+
+def _load_master(path: Path, master: Any, optimizer: Any, published: int) -> int:
+    """Load the master checkpoint if it is of step ``published`` or the one after it;
+    returns its step, or -1 (the seeded weights go on from the published step)."""
+    import torch
+
+    try:
+        ck = torch.load(path, weights_only=True)
+        step = int(ck["step"])
+        if step not in (published, published + 1):
+            raise ValueError(f"checkpoint of step {step}, published step {published}")
+        master.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optim"])
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+        log.warning("master checkpoint %s not used (%s): training goes on from the seeded "
+                    "weights after step %d", path, exc, published)
+        return -1
+    return step
