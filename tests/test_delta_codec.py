@@ -186,3 +186,12 @@ def test_far_apart_changes_use_escaped_gaps_and_stay_exact() -> None:
     for c in delta_chunks(old, new):
         apply_chunk(state, c.data)
     assert same_bits(state, new)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dense_segment_past_the_first_change_buffer_is_exact(dtype: str) -> None:
+    """More changes than the encoder's first guess (1/16 of a segment), and a segment
+    length that is not a whole number of 64-bit words: the scan restarts larger and the
+    word-wise and element-wise parts agree."""
+    old, new = make_pair(dtype, 40_003, "dense", 11)
+    roundtrip(old, new, EncoderConfig(threads=2), 11)

@@ -23,6 +23,7 @@ before any byte is written.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
@@ -46,6 +47,7 @@ MAX_SEGMENTS = 1 << 16
 MAX_CHUNK_CHANGES = 1 << 24  # bounds decode memory (about 14 bytes per change)
 ZSTD_LEVEL = 1
 _GAP_BITS_MAX = K.RICE_QMAX + 32
+_LITTLE = sys.byteorder == "little"
 
 U64 = np.uint64
 Bits = np.ndarray
@@ -91,6 +93,27 @@ class EncodedSegment:
                 self.signs, self.mags]
 
 
+def _scan(old: Bits, new: Bits, fmt: BitFormat, counts: np.ndarray, cls: np.ndarray,
+          rank: np.ndarray, d: np.ndarray) -> int:
+    """:func:`K.scan_changes` of a segment; 2-byte elements go four per uint64 word."""
+    shift, emask = U64(fmt.shift), U64(fmt.emask)
+    n = old.shape[0]
+    words = n // 4 if old.itemsize == 2 and _LITTLE else 0
+    k = 0
+    if words:
+        k = K.scan_changes16(old[:4 * words].view(np.uint64), new[:4 * words].view(np.uint64),
+                             shift, emask, fmt.signbit, fmt.full, counts, cls, rank, d)
+        if k < 0:
+            return -1
+    if 4 * words < n:
+        t = K.scan_changes(old[4 * words:], new[4 * words:], shift, emask, fmt.signbit,
+                           fmt.full, counts, cls[k:], rank[k:], d[k:])
+        if t < 0:
+            return -1
+        k += t
+    return int(k)
+
+
 def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
                    ) -> EncodedSegment | None:
     """Encode the changed bits between two equal-length unsigned views; None if none."""
@@ -101,8 +124,7 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
         cls = np.empty(cap, np.uint16)
         rank = np.empty(cap, np.uint32)
         d = np.empty(cap, fmt.uint)
-        k = K.scan_changes(old, new, U64(fmt.shift), U64(fmt.emask), fmt.signbit, fmt.full,
-                           counts, cls, rank, d)
+        k = _scan(old, new, fmt, counts, cls, rank, d)
         if k >= 0:
             break
         counts[:] = 0
