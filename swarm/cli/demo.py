@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -107,6 +108,9 @@ async def _spawn(cmd: list[str], log_path: Path) -> asyncio.subprocess.Process:
 async def _main(args: argparse.Namespace) -> int:
     base: Path = args.dir
     base.mkdir(parents=True, exist_ok=True)
+    # Nodes resume from their data directories; a demo always starts from scratch.
+    for old in ("trainer", "corrupt", *(p.name for p in base.glob("peer-*"))):
+        shutil.rmtree(base / old, ignore_errors=True)
     st = DemoState()
     events = asyncio.Queue[dict[str, Any]]()
     procs: list[asyncio.subprocess.Process] = []
