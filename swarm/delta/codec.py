@@ -262,7 +262,12 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     class_end[ids] = ends
     pos = np.empty(changes, np.uint32)
     old = views[tensor][start:start + count]
-    err = K.locate(old, U64(fmt.shift), U64(fmt.emask), class_start, class_end, gapv, pos)
+    if old.itemsize == 2 and _LITTLE:
+        w = count // 4
+        err = K.locate16(old[:4 * w].view(np.uint64), old[4 * w:], U64(fmt.shift),
+                         U64(fmt.emask), class_start, class_end, gapv, pos)
+    else:
+        err = K.locate(old, U64(fmt.shift), U64(fmt.emask), class_start, class_end, gapv, pos)
     if err:
         raise DecodeError("chunk: a change's rank is past its class population")
     return SegmentChange(tensor, start, pos, diffs)
