@@ -339,7 +339,9 @@ def _summary(st: DemoState, elapsed: float) -> bool:
         state = "killed" if p.killed else ("corrupt (chaos)" if p.corrupt else "ok")
         if not p.killed and not p.corrupt:
             all_ok = all_ok and p.failures == 0 and p.version >= st.final_step
-        print(f"{p.name:<10}{p.region:<8}{p.verified:>10} of {expected:<5}{p.failures:>7}"
+        first = min(p.sync_s, default=0)
+        held = f"{p.verified} of {expected - first}" + (f" from v{first}" if first else "")
+        print(f"{p.name:<10}{p.region:<8}{held:>18}{p.failures:>7}"
               f"{p.leases:>7}{mean:>12.2f}{mean_inst:>12.2f}  {state}")
     honest = [p for p in st.peers.values() if not p.killed and not p.corrupt]
     print(f"bit-exact: {sum(p.verified for p in honest)} version installs verified against "

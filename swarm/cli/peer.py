@@ -13,6 +13,7 @@ import sys
 from typing import Any, cast
 
 from swarm.cli._node import add_node_arguments, load_identity, node_config, shaped, stop_on_signals
+from swarm.protocol.exchange import ExchangeConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +24,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the trainer's peer id: only its signed manifests and leases count")
     p.add_argument("--name", default="peer", help="name shown in status output")
     p.add_argument("--tasks", type=int, default=4, help="tasks asked for per lease")
+    p.add_argument("--last-resort", type=float, default=0.25, metavar="SECONDS",
+                   help="wait this long for other peers before fetching a chunk from the trainer")
     p.add_argument("--corrupt", action="store_true",
                    help="chaos: serve corrupted chunks (other peers must ban this one)")
+
+
+def exchange_config(args: argparse.Namespace) -> ExchangeConfig:
+    """Exchange tuning for this peer's link. A delta of the demo model is a few chunks of
+    64 KiB, so waiting the default second before asking the trainer for a chunk no other
+    peer has yet would dominate its sync time."""
+    rate = args.uplink_mbps * 1e6 / 8 if args.uplink_mbps else 100e6
+    return ExchangeConfig(download_rate=max(rate, 1e6), last_resort_delay=args.last_resort)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +77,8 @@ async def _main(args: argparse.Namespace) -> int:
                                                      region=args.region,
                                                      want_tasks=args.tasks,
                                                      data_dir=args.data_dir,
-                                                     bootstrap=tuple(args.bootstrap)),
+                                                     bootstrap=tuple(args.bootstrap),
+                                                     exchange=exchange_config(args)),
                            state, engine, status=report)
         async with peer:
             if args.corrupt:
