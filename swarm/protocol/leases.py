@@ -147,37 +147,39 @@ def _get_opt_int(m: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None
     return None if m[key] is None else strict.get_int(m, key, lo, hi)
 
 
-def _u32_bytes(values: Sequence[int]) -> bytes:
-    arr = array.array("I", values)
+def _array_bytes(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
+    arr = array.array(typecode, values)
     if sys.byteorder == "big":
         arr.byteswap()
     return arr.tobytes()
+
+
+def _array_values(typecode: str, data: bytes, what: str, max_count: int) -> array.array[Any]:
+    size = array.array(typecode).itemsize
+    if len(data) % size or len(data) // size > max_count:
+        raise DecodeError(f"{what}: {len(data)} bytes is not a list of at most {max_count} "
+                          f"{typecode!r} items")
+    arr = array.array(typecode)
+    arr.frombytes(data)
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr
+
+
+def _u32_bytes(values: Sequence[int]) -> bytes:
+    return _array_bytes("I", values)
 
 
 def _u32_values(data: bytes, what: str, max_count: int) -> tuple[int, ...]:
-    if len(data) % 4 or len(data) // 4 > max_count:
-        raise DecodeError(f"{what}: {len(data)} bytes is not a list of at most {max_count} u32")
-    arr = array.array("I")
-    arr.frombytes(data)
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return tuple(arr)
+    return tuple(_array_values("I", data, what, max_count))
 
 
 def _f64_bytes(values: Sequence[float]) -> bytes:
-    arr = array.array("d", values)
-    if sys.byteorder == "big":
-        arr.byteswap()
-    return arr.tobytes()
+    return _array_bytes("d", values)
 
 
 def _f64_values(data: bytes, what: str, max_count: int) -> tuple[float, ...]:
-    if len(data) % 8 or len(data) // 8 > max_count:
-        raise DecodeError(f"{what}: {len(data)} bytes is not a list of at most {max_count} f64")
-    arr = array.array("d")
-    arr.frombytes(data)
-    if sys.byteorder == "big":
-        arr.byteswap()
+    arr = _array_values("d", data, what, max_count)
     # NaN anywhere makes the sum NaN and +inf makes it +inf or NaN, so a finite (or -inf)
     # sum proves the values clean in one fast pass; only then is each value examined.
     total = sum(arr)
