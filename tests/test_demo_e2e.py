@@ -1,4 +1,5 @@
-"""The README's demo, shortened: trainer + 2 peers + a corrupt peer, as real processes."""
+"""The README's demo, shortened: a bootstrap node, a trainer, 2 peers and a corrupt peer,
+as real processes that find each other through the bootstrap node."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 def test_demo_runs_verifies_every_version_and_bans_the_corrupt_peer(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "swarm.cli.main", "demo", "--dir", str(tmp_path), "--peers", "2",
-         "--steps", "4", "--prompts", "16", "--quiet", "--corrupt-peer", "--timeout", "500"],
+         "--steps", "4", "--prompts", "16", "--quiet", "--corrupt-peer", "--bootstrap-node",
+         "--timeout", "500"],
         capture_output=True, text=True, timeout=560)
     assert "every live peer verified every version: True" in out.stdout, out.stdout[-3000:]
     assert "corrupt peer banned by others: yes" in out.stdout

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chaos: start one more peer when the trainer reaches STEP")
     p.add_argument("--corrupt-peer", action="store_true",
                    help="chaos: add a peer that serves corrupt chunks")
+    p.add_argument("--bootstrap-node", action="store_true",
+                   help="start a `swarm bootstrap` node that the trainer and peers join "
+                        "through (default: peers dial the trainer directly)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after SECONDS")
     p.add_argument("--quiet", action="store_true", help="no live table; one line per step")
 
@@ -109,7 +112,7 @@ async def _main(args: argparse.Namespace) -> int:
     base: Path = args.dir
     base.mkdir(parents=True, exist_ok=True)
     # Nodes resume from their data directories; a demo always starts from scratch.
-    for old in ("trainer", "corrupt", *(p.name for p in base.glob("peer-*"))):
+    for old in ("trainer", "corrupt", "bootstrap", *(p.name for p in base.glob("peer-*"))):
         shutil.rmtree(base / old, ignore_errors=True)
     st = DemoState()
     events = asyncio.Queue[dict[str, Any]]()
@@ -129,12 +132,22 @@ async def _main(args: argparse.Namespace) -> int:
         return proc
 
     t_start = time.perf_counter()
+    join: list[str] = []
+    if args.bootstrap_node:
+        await start(_cmd("bootstrap", "--data-dir", str(base / "bootstrap"), "--status-json",
+                         "--listen", "/ip4/127.0.0.1/tcp/0", "--run", "demo"), "bootstrap")
+        async with asyncio.timeout(120):
+            while not join:
+                ev = await events.get()
+                if ev.get("event") == "ready" and ev.get("node") == "bootstrap":
+                    join = ["--bootstrap", str(ev["addr"])]
+        print(f"bootstrap node at {join[1]}", flush=True)
     trainer = await start(_cmd(
         "trainer", "--data-dir", str(base / "trainer"), "--status-json",
         "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
         "--lr", str(args.lr), "--min-peers", str(args.peers), "--linger", "600",
         "--region", "r0", "--uplink-mbps", str(args.trainer_uplink_mbps),
-        "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo"), "trainer")
+        "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo", *join), "trainer")
     n_peers = 0
 
     async def add_peer(corrupt: bool = False) -> None:
@@ -143,7 +156,8 @@ async def _main(args: argparse.Namespace) -> int:
         region = f"r{n_peers % args.regions}"
         n_peers += 1
         cmd = _cmd("peer", "--data-dir", str(base / name), "--status-json", "--name", name,
-                   "--bootstrap", st.addr, "--trainer", st.trainer_id, "--region", region,
+                   *(join or ["--bootstrap", st.addr]), "--trainer", st.trainer_id,
+                   "--region", region,
                    "--uplink-mbps", str(args.uplink_mbps),
                    "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo")
         if corrupt:
@@ -305,6 +319,8 @@ class _Display:
 
 
 def _window(values: list[float], first: bool, n: int = 5) -> float:
+    """Mean of the first or last ``n`` values (of each half, for short runs)."""
+    n = max(1, min(n, len(values) // 2))
     part = values[:n] if first else values[-n:]
     return sum(part) / max(1, len(part))
 
@@ -314,7 +330,8 @@ def _summary(st: DemoState, elapsed: float) -> bool:
     print("\n== summary")
     print(f"steps {len(st.steps)} in {elapsed:.0f} s")
     if rewards:
-        print(f"reward: first 5 steps {_window(rewards, True):.3f} -> last 5 steps "
+        w = max(1, min(5, len(rewards) // 2))
+        print(f"reward: first {w} steps {_window(rewards, True):.3f} -> last {w} steps "
               f"{_window(rewards, False):.3f}")
         payload = sum(int(s["bytes"]) for s in st.steps)
         dense = sum(int(s["dense"]) for s in st.steps)

@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", type=int, default=8, help="completions per prompt (GRPO group)")
     p.add_argument("--lr", type=float, default=3e-2,
                    help="AdamW learning rate (with eps 0.1: see swarm.demo.grpo.DemoConfig)")
+    p.add_argument("--bootstrap", action="append", default=[],
+                   help="full multiaddr of a bootstrap node to join through (repeatable)")
     p.add_argument("--min-peers", type=int, default=1,
                    help="wait for this many peers before the first step")
     p.add_argument("--step-timeout", type=float, default=300.0,
@@ -78,7 +80,7 @@ async def _main(args: argparse.Namespace) -> int:
     identity = load_identity(args)
     report = Reporter("trainer", json_out=sys.stdout if args.status_json else None,
                       metrics_port=args.metrics_port)
-    net_cfg = node_config(args)
+    net_cfg = node_config(args, bootstrap=tuple(args.bootstrap))
     master = build_model(cfg.model)
     optimizer = make_optimizer(master, cfg.lr, cfg.weight_decay, cfg.adam_eps)
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
@@ -103,7 +105,8 @@ async def _main(args: argparse.Namespace) -> int:
                         dense=pub.dense_bytes, ratio=round(pub.ratio, 2))
         first = node.step + 1
         async with asyncio.timeout(args.step_timeout):
-            while len(net.connected_peers()) < args.min_peers:
+            # Bootstrap nodes are connected peers too, but do no rollout work.
+            while len(net.connected_peers()) < args.min_peers + len(args.bootstrap):
                 await asyncio.sleep(0.2)
         for step in range(first, cfg.steps + 1):
             t0 = time.perf_counter()

@@ -420,10 +420,12 @@ class RolloutPeer(NodeBase):
             await asyncio.sleep(self.config.discover_interval)
             connected = self.net.connected_peers()
             others = [p for p in connected if p != self.config.trainer]
-            if len(others) >= self.config.max_neighbours:
+            if len(others) >= self.config.max_neighbours and self.config.trainer in connected:
                 continue
             entries: Mapping[str, topics.PeerMetadata] = directory()
-            for peer, meta in sorted(entries.items()):
+            # The trainer first (when we joined through a bootstrap node), then others.
+            order = sorted(entries.items(), key=lambda kv: (kv[0] != self.config.trainer, kv[0]))
+            for peer, meta in order:
                 if peer in connected or peer == self.net.peer_id or not meta.addrs:
                     continue
                 with contextlib.suppress(SwarmError, OSError):
