@@ -379,3 +379,57 @@ def test_random_message_sequences_never_crash_the_core() -> None:
         assert all(me.chunk(spec.obj, i) in (None, chunks[i]) for i in range(5))
 
     run()
+
+
+def test_removed_object_frees_its_chunks_and_stops_uploads() -> None:
+    spec, chunks = make_object()
+    net = Net()
+    seed = net.add(Exchange("seed", region="r", seed=1))
+    leech = net.add(Exchange("leech", region="r", seed=2))
+    seed.add_object(spec, 0.0, dict(enumerate(chunks)))
+    leech.add_object(spec, 0.0)
+    net.link("seed", "leech", 0.0)
+    # The leech's requests are queued at the seed, then the seed drops the object.
+    for _, msg in leech.take_outgoing():
+        seed.receive("leech", msg, 0.0)
+    seed.handle_timer(1.0)
+    for _, msg in seed.take_outgoing():
+        leech.receive("seed", msg, 1.0)
+    for _, msg in leech.take_outgoing():
+        seed.receive("leech", msg, 1.0)
+    assert seed.upload_queued("leech") > 0
+    seed.remove_object(spec.obj)
+    seed.remove_object(spec.obj)  # removing twice is harmless
+    assert seed.chunk(spec.obj, 0) is None and not seed.has(spec.obj, 0)
+    assert seed.next_upload("leech", 1.0) is None
+    net.run(1.0)
+    assert not leech.is_complete(spec.obj)
+    # The leech gets everything once another holder appears.
+    other = net.add(Exchange("other", region="r", seed=3))
+    other.add_object(spec, 1.0, dict(enumerate(chunks)))
+    net.link("other", "leech", 1.0)
+    for t in (2.0, 3.0, 8.0, 14.0, 20.0):
+        for core in net.nodes.values():
+            core.handle_timer(t)
+        net.run(t)
+    assert leech.is_complete(spec.obj)
+    assert [leech.chunk(spec.obj, i) for i in range(len(chunks))] == chunks
+
+
+def test_a_neighbour_cannot_make_us_track_unbounded_unknown_objects() -> None:
+    core = Exchange("me", region="r")
+    core.connect("them", 0.0, region="r")
+    for i in range(100):
+        obj = domain_hash("unknown", i.to_bytes(4, "little"))
+        core.receive_bytes("them", encode(Have(obj, 5)), 0.0)
+        core.receive_bytes("them", encode(Bitfield(obj, 8, b"\xff")), 0.0)
+    assert "them" not in core.banned
+    from swarm.protocol.exchange import MAX_UNKNOWN_OBJECTS
+
+    tracked = core._peers["them"].haves
+    assert len(tracked) == MAX_UNKNOWN_OBJECTS
+    # Haves of an object we do exchange are always kept.
+    spec, _ = make_object()
+    core.add_object(spec, 0.0)
+    core.receive_bytes("them", encode(Have(spec.obj, 1)), 0.0)
+    assert 1 in core._peers["them"].haves[spec.obj]

@@ -108,3 +108,31 @@ async def test_late_joiner_with_other_weights_catches_up_by_keyframe(tmp_path: P
         want = state_root_of(inference_state(master), PIECE)
         assert late.root == want and state_root_of(late.state, PIECE) == want
         assert late.verified == 1  # one keyframe of version 3, no replay of old deltas
+
+
+async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.001), seed=3)
+    trainer_id = Identity.from_seed(b"R" * 32)
+    master = build_model(CFG)
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE,
+                                            keep_versions=2)))
+        await trainer.publish(inference_state(master))
+        ident = Identity.from_seed(b"r" * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        await pnet.connect(tnet.listen_addresses[0])
+        peer = await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id, keep_versions=2),
+            inference_state(build_model(CFG)),
+            TorchEngine(build_model(CFG, dtype=torch.bfloat16))))
+        for step in range(1, 7):
+            _nudge(master, step)
+            await trainer.publish(inference_state(master))
+            async with asyncio.timeout(30):
+                await peer.wait_version(step)
+        kept = {m.id for m in trainer.manifests}
+        assert len(trainer.manifests) == 3 and trainer.driver.objects <= kept
+        assert len(peer.driver.objects) <= 2
+        assert peer.root == state_root_of(inference_state(master), PIECE)

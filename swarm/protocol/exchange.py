@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 Verifier = Callable[[bytes, bytes], bool]
 
+#: Objects not (yet) known here whose haves one neighbour may make us remember.
+MAX_UNKNOWN_OBJECTS = 8
+
 
 def blake3_verifier(cid: bytes, data: bytes) -> bool:
     """The default check: the BLAKE3 digest of ``data`` is ``cid``."""
@@ -492,6 +495,32 @@ class Exchange:
         p = self._peers.get(peer)
         return 0 if p is None else len(p.queue)
 
+    def remove_object(self, obj: bytes) -> None:
+        """Stop exchanging ``obj`` and free its chunks (a version nobody needs any more).
+
+        Requests for it in flight are forgotten; pieces of it queued for upload are not
+        sent; later messages about it are treated like those about any unknown object.
+        """
+        if self._objects.pop(obj, None) is None:
+            return
+        for p in self._peers.values():
+            p.haves.pop(obj, None)
+            p.suggested_to.pop(obj, None)
+            for key in [k for k in p.out if k[0] == obj]:
+                del p.out[key]
+            if any(o == obj for o, _ in p.queue):
+                p.queue = deque(item for item in p.queue if item[0] != obj)
+        self._avg = max((x.avg_size for x in self._objects.values()), default=1)
+
+    def _may_track(self, p: _Peer, obj: bytes) -> bool:
+        """Whether to remember a neighbour's haves of an object we do not exchange (yet):
+        its manifest may still be on its way, but a neighbour cannot make us remember
+        more than :data:`MAX_UNKNOWN_OBJECTS` such objects."""
+        if obj in p.haves:
+            return True
+        unknown = sum(1 for x in p.haves if x not in self._objects)
+        return unknown < MAX_UNKNOWN_OBJECTS
+
     # ------------------------------------------------------------ dispatch
 
     def _dispatch(self, p: _Peer, msg: Message, now: float) -> None:
@@ -501,6 +530,8 @@ class Exchange:
             o = self._objects.get(msg.obj)
             if o is not None:
                 self._check_index(o, msg.index)
+            elif not self._may_track(p, msg.obj):
+                return
             s = p.haves.setdefault(msg.obj, set())
             if msg.index not in s:
                 s.add(msg.index)
@@ -514,6 +545,8 @@ class Exchange:
             o = self._objects.get(msg.obj)
             if o is not None and msg.count != len(o.spec.sizes):
                 raise RemoteProtocolError("bitfield: wrong chunk count")
+            if o is None and not self._may_track(p, msg.obj):
+                return
             idxs = indices_of(msg.bits, msg.count)
             old = p.haves.get(msg.obj, set())
             p.haves[msg.obj] = old | idxs

@@ -77,6 +77,11 @@ class ExchangeDriver:
         self._links.clear()
 
     # -- what the role calls -----------------------------------------------------------
+    @property
+    def objects(self) -> frozenset[bytes]:
+        """Objects being exchanged (each holds its chunks in memory)."""
+        return frozenset(self._objects)
+
     def has_object(self, obj: bytes) -> bool:
         return obj in self._objects
 
@@ -84,6 +89,14 @@ class ExchangeDriver:
         self._objects.add(spec.obj)
         self._complete.setdefault(spec.obj, asyncio.Event())
         self.exchange.add_object(spec, self.now(), data)
+        self._pump()
+
+    def retain(self, keep: set[bytes]) -> None:
+        """Stop exchanging, and free, every object not in ``keep`` (old versions)."""
+        for obj in self._objects - keep:
+            self._objects.discard(obj)
+            self._complete.pop(obj, None)
+            self.exchange.remove_object(obj)
         self._pump()
 
     def connected(self, peer: str, *, region: str = "", rtt: float = 0.05,

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,8 @@ class PeerConfig:
     """Seconds between looks at the run's peer directory."""
     claim_retry: float = 0.5
     """Seconds to wait before claiming again after the trainer had no work."""
+    keep_versions: int = 4
+    """Installed versions whose chunks this peer keeps serving to others."""
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
     data_dir: Path | None = None
     """Where the verified state and received chunks are kept (None: nothing is saved)."""
@@ -103,6 +106,7 @@ class RolloutPeer(NodeBase):
         self.leases = PeerLeases(identity, self.trainer_key, config.run)
         self._status = status or (lambda event, fields: None)
         self._manifests: dict[int, SignedManifest] = {}
+        self._installed: deque[SignedManifest] = deque(maxlen=config.keep_versions)
         self._jump: SignedManifest | None = None
         self._new_manifest = asyncio.Event()
         self._engine_lock = asyncio.Lock()
@@ -348,6 +352,10 @@ class RolloutPeer(NodeBase):
             self.verified += 1
             for step in [s for s in self._manifests if s <= self.version]:
                 del self._manifests[step]
+            self._installed.append(sm)
+            # Keep serving the last few versions to laggards; free older chunks.
+            self.driver.retain({m.id for m in self._installed}
+                               | {m.id for m in self._manifests.values()})
             self._status("verified", {
                 "version": self.version, "kind": sm.manifest.kind,
                 "bytes": sm.manifest.total_bytes, "fetch_s": round(fetched, 3),

@@ -72,7 +72,7 @@ class TrainerConfig:
     """Results may use any version ``>= latest - max_staleness``."""
     chunk_target: int = 2 << 20
     """Encoded bytes per delta chunk (1-4 MiB on real models; smaller for toy ones)."""
-    keep_versions: int = 64
+    keep_versions: int = 16
     """Delta objects kept for catch-up (older peers refetch the state pieces)."""
     exchange: ExchangeConfig = field(default_factory=lambda: ExchangeConfig(
         unchoke_all=True, super_seed=True))
@@ -226,6 +226,7 @@ class TrainerNode(NodeBase):
         await asyncio.to_thread(self._persist, sm, data, snapshot)
         self._state, self._root = snapshot, root
         self.manifests.append(sm)
+        self._retain()
         if sm.manifest.chunks:
             self.driver.add_object(ObjectSpec.from_manifest(sm), data)
         self.leases.publish_version(step, time.time())
@@ -322,6 +323,13 @@ class TrainerNode(NodeBase):
 
     def _state_bytes(self) -> int:
         return 0 if self._state is None else layout_of(self._state).nbytes
+
+    def _retain(self) -> None:
+        """Keep seeding the kept versions (and the newest keyframe); free the rest."""
+        keep = {m.id for m in self.manifests}
+        if self._keyframe is not None:
+            keep.add(self._keyframe.id)
+        self.driver.retain(keep)
 
     async def _current_keyframe(self) -> SignedManifest:
         """A keyframe of the newest version (made once per version, then seeded)."""
