@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,17 @@ def node_config(args: argparse.Namespace, **extra: Any) -> NodeConfig:
 def load_identity(args: argparse.Namespace) -> Identity:
     path: Path = args.key or (args.data_dir / "node.key")
     return Identity.load_or_create(path)
+
+
+def run_node(main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
+             args: argparse.Namespace) -> int:
+    """Run a node's async main; Ctrl-C and SIGTERM end it cleanly with exit status 130."""
+    import asyncio
+
+    try:
+        return asyncio.run(main(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return 130
 
 
 @contextlib.asynccontextmanager

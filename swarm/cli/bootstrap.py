@@ -11,7 +11,13 @@ import argparse
 import asyncio
 import sys
 
-from swarm.cli._node import add_node_arguments, load_identity, node_config, stop_on_signals
+from swarm.cli._node import (
+    add_node_arguments,
+    load_identity,
+    node_config,
+    run_node,
+    stop_on_signals,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,10 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_main(args))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        return 130
+    return run_node(_main, args)
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -8,11 +8,17 @@ signed manifest, and does leased rollout work with a torch engine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any, cast
 
-from swarm.cli._node import add_node_arguments, load_identity, node_config, shaped, stop_on_signals
+from swarm.cli._node import (
+    add_node_arguments,
+    load_identity,
+    node_config,
+    run_node,
+    shaped,
+    stop_on_signals,
+)
 from swarm.protocol.exchange import ExchangeConfig
 
 
@@ -39,10 +45,7 @@ def exchange_config(args: argparse.Namespace) -> ExchangeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_main(args))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        return 130
+    return run_node(_main, args)
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -23,7 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm.cli._node import add_node_arguments, load_identity, node_config, shaped, stop_on_signals
+from swarm.cli._node import (
+    add_node_arguments,
+    load_identity,
+    node_config,
+    run_node,
+    shaped,
+    stop_on_signals,
+)
 
 log = logging.getLogger(__name__)
 MASTER_FILE = "master.pt"
@@ -51,10 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_main(args))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        return 130
+    return run_node(_main, args)
 
 
 async def _main(args: argparse.Namespace) -> int:
