@@ -206,6 +206,8 @@ class _Obj:
     # super-seeding (trainer side): times each chunk was suggested, suggestions pending
     times_suggested: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
+    tiebreaks: list[int] = field(default_factory=list)
+    """``picker.tiebreak(salt, i)`` of every chunk ``i`` (fixed per node and object)."""
 
     @property
     def missing(self) -> int:
@@ -233,6 +235,8 @@ class _Peer:
     bytes_to: int = 0
     strikes: int = 0
     key: int = 0
+    tie: int = 0
+    """``key`` mixed with our salt: breaks ties between equal delivery estimates."""
     depth: int = 2
     upload: float = 0.0
     download: float = 0.0
@@ -263,6 +267,7 @@ class Exchange:
         # (earliest possible deadline, sent time, peer, obj, index) of requests in flight
         self._deadlines: list[tuple[float, float, str, bytes, int]] = []
         self._avg = 1
+        self._locals: list[str] | None = None  # same-region neighbours, see _local_peers
         self.bytes_up = 0
         self.bytes_down = 0
         self.bytes_wasted = 0
@@ -303,7 +308,8 @@ class Exchange:
         n = len(spec.sizes)
         o = _Obj(spec, now, set(), {}, [0] * n, [0] * n, [set() for _ in range(n)],
                  times_suggested=[0] * n, pending=[0] * n, last_progress=now,
-                 avg_size=max(1, spec.total_bytes // max(1, n)))
+                 avg_size=max(1, spec.total_bytes // max(1, n)),
+                 tiebreaks=[picker.tiebreak(self._salt, i) for i in range(n)])
         for i, d in (data or {}).items():
             if not 0 <= i < n or len(d) != spec.sizes[i]:
                 raise LocalProtocolError(f"chunk {i} does not fit the object")
@@ -333,7 +339,9 @@ class Exchange:
         p = _Peer(peer, region, max(rtt, 1e-4), trainer, self.config.initial_rate,
                   key=picker.peer_key(peer), upload=max(0.0, upload),
                   download=max(0.0, download))
+        p.tie = (p.key ^ self._salt) * 0x9E3779B1 & 0xFFFFFFFF
         self._peers[peer] = p
+        self._locals = None
         self._set_rate(p, p.rate)
         for ob in self._objects.values():
             ob.importers.clear()
@@ -351,6 +359,7 @@ class Exchange:
         p = self._peers.pop(peer, None)
         if p is None:
             return
+        self._locals = None
         for ob in self._objects.values():
             ob.importers.clear()
             if self._is_local(p):
@@ -408,10 +417,11 @@ class Exchange:
         dl = self._deadlines
         while dl and not self._live_deadline(dl[0]):
             heapq.heappop(dl)
-        if dl:
-            t = min(t, dl[0][0])
-        if self._wake is not None:
-            t = min(t, self._wake)
+        if dl and dl[0][0] < t:
+            t = dl[0][0]
+        wake = self._wake
+        if wake is not None and wake < t:
+            t = wake
         return t
 
     def handle_timer(self, now: float) -> None:
@@ -524,23 +534,10 @@ class Exchange:
     # ------------------------------------------------------------ dispatch
 
     def _dispatch(self, p: _Peer, msg: Message, now: float) -> None:
-        if isinstance(msg, Piece):
+        if isinstance(msg, Have):  # the most frequent message by far
+            self._on_have(p, msg, now)
+        elif isinstance(msg, Piece):
             self._on_piece(p, msg, now)
-        elif isinstance(msg, Have):
-            o = self._objects.get(msg.obj)
-            if o is not None:
-                self._check_index(o, msg.index)
-            elif not self._may_track(p, msg.obj):
-                return
-            s = p.haves.setdefault(msg.obj, set())
-            if msg.index not in s:
-                s.add(msg.index)
-                if o is not None:
-                    self._add_holder(o, msg.index, p, now)
-                    if msg.index not in o.have and msg.index not in o.inflight:
-                        self._pick_one(o, msg.index, p, now)
-                    if self.config.super_seed:
-                        self._suggest_to(p, o)
         elif isinstance(msg, Bitfield):
             o = self._objects.get(msg.obj)
             if o is not None and msg.count != len(o.spec.sizes):
@@ -584,6 +581,26 @@ class Exchange:
         elif isinstance(msg, Unchoke):
             p.choked_us = False
             self._pick(now)
+
+    def _on_have(self, p: _Peer, msg: Have, now: float) -> None:
+        obj, idx = msg.obj, msg.index
+        o = self._objects.get(obj)
+        if o is not None:
+            self._check_index(o, idx)
+        elif not self._may_track(p, obj):
+            return
+        s = p.haves.get(obj)
+        if s is None:
+            s = p.haves[obj] = set()
+        elif idx in s:
+            return
+        s.add(idx)
+        if o is not None:
+            self._add_holder(o, idx, p, now)
+            if idx not in o.have and idx not in o.inflight:
+                self._pick_one(o, idx, p, now)
+            if self.config.super_seed:
+                self._suggest_to(p, o)
 
     @staticmethod
     def _check_index(o: _Obj, index: int) -> None:
@@ -635,8 +652,8 @@ class Exchange:
                 q = self._peers.get(other)
                 if q is not None and q.out.pop(key, None) is not None:
                     self._out.append((other, Cancel(msg.obj, msg.index)))
-        for q in self._peers.values():
-            self._out.append((q.peer, Have(msg.obj, msg.index)))
+        have = Have(msg.obj, msg.index)
+        self._out.extend((q, have) for q in self._peers)
         self._events.append(ChunkStored(msg.obj, msg.index, msg.data, p.peer))
         if not o.missing:
             o.complete_at = now
@@ -661,11 +678,12 @@ class Exchange:
         self._out.append((p.peer, Bitfield(o.spec.obj, n, bits_of(o.have, n))))
 
     def _add_holder(self, o: _Obj, idx: int, p: _Peer, now: float) -> None:
-        if p.peer in o.holders[idx]:
+        holders = o.holders[idx]
+        if p.peer in holders:
             return
-        o.holders[idx].add(p.peer)
+        holders.add(p.peer)
         o.availability[idx] += 1
-        if self._is_local(p):
+        if p.region == self.region and not p.trainer:  # _is_local
             o.local[idx] += 1
         if not p.trainer:
             o.first_seen.setdefault(idx, now)
@@ -710,8 +728,12 @@ class Exchange:
         return window - self._inflight_bytes()
 
     def _local_peers(self) -> list[str]:
-        return [p.peer for p in self._peers.values()
-                if p.region == self.region and not p.trainer]
+        """Same-region neighbours other than the trainer (cached until one comes or goes;
+        callers must not modify the list)."""
+        if self._locals is None:
+            self._locals = [p.peer for p in self._peers.values()
+                            if p.region == self.region and not p.trainer]
+        return self._locals
 
     def _pick_one(self, o: _Obj, idx: int, p: _Peer, now: float) -> None:
         """``p`` announced ``idx``: request it if ``p`` can take a request and budget is
@@ -727,7 +749,8 @@ class Exchange:
     def _pick(self, now: float) -> None:
         """Issue requests, rarest first, until the in-flight window is full."""
         cfg = self.config
-        roomy = {p.peer for p in self._peers.values() if self._room(p) > 0}
+        roomy = {p.peer for p in self._peers.values()
+                 if not p.choked_us and p.depth > len(p.out)}  # _room(p) > 0
         if not roomy:
             return
         local_peers = self._local_peers()
@@ -751,7 +774,7 @@ class Exchange:
             # (the others wait for a slot: a piece arrival or a reject calls this again)
             ready = [i for i in wanted if not o.holders[i].isdisjoint(roomy)]
             order = picker.rarest_first(ready, o.local, o.availability, self._salt,
-                                        o.suggested)
+                                        o.suggested, o.tiebreaks)
             for idx in order:
                 if budget <= 0 or not roomy:
                     return
@@ -767,7 +790,7 @@ class Exchange:
                 continue
             # strict endgame: every missing chunk is requested; ask a second source for
             # those whose source is late (cancelled at the other when one arrives)
-            for idx in sorted(o.inflight, key=lambda i: picker.tiebreak(self._salt, i)):
+            for idx in sorted(o.inflight, key=o.tiebreaks.__getitem__):
                 if budget <= 0:
                     return
                 asked = o.inflight[idx]
@@ -801,14 +824,16 @@ class Exchange:
         only for chunks it suggested to me, or when the swarm has stalled without them."""
         cfg = self.config
         size = o.spec.sizes[idx]
+        peers, region = self._peers, self.region
         best_local: _Peer | None = None
         best_remote: _Peer | None = None
         local_key = remote_key = (float("inf"), 0, "")
         trainer: _Peer | None = None
         any_local = any_other = False
         for h in o.holders[idx]:
-            p = self._peers[h]
-            usable = h not in exclude and self._room(p) > 0
+            p = peers[h]
+            # usable: not excluded and room for a request (see _room)
+            usable = not p.choked_us and p.depth > len(p.out) and h not in exclude
             if p.trainer:
                 if usable:
                     if idx in o.suggested:
@@ -816,15 +841,20 @@ class Exchange:
                     trainer = p
                 continue
             any_other = True
-            is_local = p.region == self.region
-            any_local = any_local or is_local
+            is_local = p.region == region
             if not usable:
+                any_local = any_local or is_local
                 continue
+            if is_local:
+                any_local = True
+            elif best_local is not None:
+                continue  # a local source wins over any remote one
             # ties (equal estimates) go by a per-node hash: deterministic, and spread
-            key = (self._eta(p, size), (p.key ^ self._salt) * 0x9E3779B1 & 0xFFFFFFFF, h)
-            if is_local and key < local_key:
-                best_local, local_key = p, key
-            elif not is_local and key < remote_key:
+            key = (p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0), p.tie, h)
+            if is_local:
+                if key < local_key:
+                    best_local, local_key = p, key
+            elif key < remote_key:
                 best_remote, remote_key = p, key
         if best_local is not None:
             return best_local.peer
@@ -1009,7 +1039,7 @@ class Exchange:
         if not cands and not outstanding:
             cands = fresh  # keep it busy with anything not handed out yet
         cands.sort(key=lambda i: (o.times_suggested[i], o.availability[i],
-                                  picker.tiebreak(self._salt, i)))
+                                  o.tiebreaks[i]))
         for i in cands[:want]:
             outstanding.add(i)
             o.times_suggested[i] += 1

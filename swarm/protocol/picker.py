@@ -20,17 +20,23 @@ def tiebreak(salt: int, index: int) -> int:
 
 
 def rarest_first(missing: Iterable[int], local: Sequence[int], availability: Sequence[int],
-                 salt: int, suggested: frozenset[int] | set[int] = frozenset()) -> list[int]:
+                 salt: int, suggested: frozenset[int] | set[int] = frozenset(),
+                 tiebreaks: Sequence[int] | None = None) -> list[int]:
     """Missing chunk indices in the order to fetch them.
 
     Suggested ones first; then fewest holders in my own region (a chunk the region lacks
     must be imported, and the region's designated importer should start at once); then
     fewest holders overall. Chunks nobody offers come last, so a caller can still ask the
     source of last resort for them. Ties are broken by a per-node hash so that
-    neighbours with the same view do not all ask for the same chunk.
+    neighbours with the same view do not all ask for the same chunk; ``tiebreaks[i]``,
+    when given, must be ``tiebreak(salt, i)`` (precomputed by a caller that sorts often).
     """
+    if tiebreaks is None:
+        return sorted(missing, key=lambda i: (i not in suggested, availability[i] == 0,
+                                              local[i], availability[i], tiebreak(salt, i)))
+    tb = tiebreaks
     return sorted(missing, key=lambda i: (i not in suggested, availability[i] == 0,
-                                          local[i], availability[i], tiebreak(salt, i)))
+                                          local[i], availability[i], tb[i]))
 
 
 def peer_key(peer: str) -> int:

@@ -123,6 +123,8 @@ class SwarmSim:
         self.now = 0.0
         self.events = 0
         self._changed = False
+        self._names = [peer_name(i) for i in range(self.n_total)]
+        self._index = {name: i for i, name in enumerate(self._names)}
 
     # ------------------------------------------------------------ plumbing
 
@@ -210,16 +212,31 @@ class SwarmSim:
 
     def _pump(self, i: int) -> None:
         core = self.cores[i]
-        for name, msg in core.take_outgoing():
-            j = _index(name)
-            if j in self.links[i]:
-                self._push(self.now + self._lat(i, j), _MSG, i, j, msg)
+        out = core.take_outgoing()
+        if out:
+            # one heap entry per arrival time: the messages a node sends in one go reach
+            # each region after the same latency, so they are delivered together, in order
+            now, index, links = self.now, self._index, self.links[i]
+            region = self.topo.region
+            lat = self.topo.latency[region[i]]
+            batches: dict[float, list[tuple[int, Message]]] = {}
+            for name, msg in out:
+                j = index[name]
+                if j in links:
+                    at = now + lat[region[j]]
+                    batch = batches.get(at)
+                    if batch is None:
+                        batches[at] = batch = []
+                    batch.append((j, msg))
+            for at, batch in batches.items():
+                self._push(at, _MSG, i, 0, batch)
         ready = core.take_upload_ready()
-        for name in sorted(ready):
-            j = _index(name)
-            if j not in self.up_wait[i]:
-                self.up_wait[i].append(j)
         if ready:
+            wait = self.up_wait[i]
+            for name in sorted(ready):
+                j = self._index[name]
+                if j not in wait:
+                    wait.append(j)
             self._serve(i)
         for ev in core.take_events():
             if isinstance(ev, ObjectComplete):
@@ -227,10 +244,10 @@ class SwarmSim:
                 self._changed = True
             elif isinstance(ev, PeerBanned):
                 self.bans.append((peer_name(i), ev.peer, ev.reason))
-                self._drop_link(i, _index(ev.peer))
+                self._drop_link(i, self._index[ev.peer])
             elif isinstance(ev, PeerTimedOut):
                 self.timeouts += 1
-                self._drop_link(i, _index(ev.peer))
+                self._drop_link(i, self._index[ev.peer])
         t = core.next_timer()
         if t is not None:
             t = max(t, self.now + 1e-6)
@@ -255,11 +272,11 @@ class SwarmSim:
         wait = self.up_wait[i]
         limit = self.up_conc_trainer if i == 0 else self.up_conc
         while self.up_active[i] < limit and wait:
-            j = min(wait, key=lambda k: (core.upload_priority(peer_name(k)), k))
+            j = min(wait, key=lambda k: (core.upload_priority(self._names[k]), k))
             wait.remove(j)
             if j not in self.links[i] or (i, j) in self.busy:
                 continue
-            piece = core.next_upload(peer_name(j), self.now)
+            piece = core.next_upload(self._names[j], self.now)
             if piece is None:
                 continue
             if i in self.pop.malicious:
@@ -339,7 +356,7 @@ class SwarmSim:
         del self.busy[(i, j)]
         self.up_active[i] -= 1
         self._push(self.now + self._lat(i, j), _PIECE, i, j, piece)
-        if (j in self.links[i] and self.cores[i].upload_queued(peer_name(j))
+        if (j in self.links[i] and self.cores[i].upload_queued(self._names[j])
                 and j not in self.up_wait[i]):
             self.up_wait[i].append(j)
         self._serve(i)
@@ -351,16 +368,27 @@ class SwarmSim:
             del self.timer_at[a]
             self.cores[a].handle_timer(self.now)
             self._pump(a)
-        elif kind in (_MSG, _PIECE):
+        elif kind == _MSG:
+            assert isinstance(payload, list)
+            name = self._names[a]
+            alive, links, cores, now = self.alive, self.links, self.cores, self.now
+            last = len(payload) - 1
+            for k, (j, msg) in enumerate(payload):
+                if j in alive and a in links[j]:
+                    cores[j].receive(name, msg, now)
+                    # several messages to one node in a row: handle them all, then pump
+                    if k == last or payload[k + 1][0] != j:
+                        self._pump(j)
+        elif kind == _PIECE:
             if b not in self.alive or a not in self.links[b]:
                 return
             assert isinstance(payload, Message)
-            self.cores[b].receive(peer_name(a), payload, self.now)
+            self.cores[b].receive(self._names[a], payload, self.now)
             self._pump(b)
         elif kind == _GONE:
             if b in self.alive:
                 self._unlink(b, a)
-                self.cores[b].disconnect(peer_name(a), self.now)
+                self.cores[b].disconnect(self._names[a], self.now)
                 self._pump(b)
         elif kind == _CHURN:
             self._churn(a, b, str(payload))
@@ -423,8 +451,3 @@ class SwarmSim:
             flows_recomputed=self.net.recomputes,
             per_region_done=per_region,
         )
-
-
-def _index(name: str) -> int:
-    return 0 if name == "trainer" else int(name.split("-", 1)[1])
-
