@@ -753,6 +753,8 @@ class Exchange:
                  if not p.choked_us and p.depth > len(p.out)}  # _room(p) > 0
         if not roomy:
             return
+        peers, region, import_delay = self._peers, self.region, cfg.import_delay
+        roomy_local = {h for h in roomy if peers[h].region == region and not peers[h].trainer}
         local_peers = self._local_peers()
         for o in self._objects.values():
             # super-seeded chunks go first and outside the window: they are few, and
@@ -778,14 +780,30 @@ class Exchange:
             for idx in order:
                 if budget <= 0 or not roomy:
                     return
-                if o.holders[idx].isdisjoint(roomy):
+                holders = o.holders[idx]
+                if holders.isdisjoint(roomy):
                     continue
+                if idx not in o.suggested:
+                    # shortcuts where _choose_source would return None with no effect
+                    if o.local[idx]:
+                        if holders.isdisjoint(roomy_local):
+                            continue  # in the region, every holder here busy: wait
+                    else:
+                        rank = o.ranks.get(idx)
+                        if rank is not None:
+                            # an import whose turn comes at ``early`` or later, with a
+                            # wake-up already set no later than that
+                            early = o.first_seen.get(idx, o.added_at) + rank * import_delay
+                            wake = self._wake
+                            if now < early and wake is not None and wake <= early:
+                                continue
                 src = self._choose_source(o, idx, local_peers, now, ())
                 if src is not None:
                     self._request(o, idx, src, now)
                     budget -= o.spec.sizes[idx]
                     if self._room(self._peers[src]) <= 0:
                         roomy.discard(src)
+                        roomy_local.discard(src)
             if wanted or not o.inflight:
                 continue
             # strict endgame: every missing chunk is requested; ask a second source for
