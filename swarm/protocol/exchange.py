@@ -586,7 +586,8 @@ class Exchange:
         obj, idx = msg.obj, msg.index
         o = self._objects.get(obj)
         if o is not None:
-            self._check_index(o, idx)
+            if idx >= len(o.spec.sizes):  # _check_index, inlined: haves are most messages
+                raise RemoteProtocolError("chunk index past the object's end")
         elif not self._may_track(p, obj):
             return
         s = p.haves.get(obj)
@@ -595,12 +596,22 @@ class Exchange:
         elif idx in s:
             return
         s.add(idx)
-        if o is not None:
-            self._add_holder(o, idx, p, now)
-            if idx not in o.have and idx not in o.inflight:
-                self._pick_one(o, idx, p, now)
-            if self.config.super_seed:
-                self._suggest_to(p, o)
+        if o is None:
+            return
+        holders = o.holders[idx]
+        if p.peer not in holders:  # _add_holder, inlined
+            holders.add(p.peer)
+            o.availability[idx] += 1
+            if not p.trainer:
+                if p.region == self.region:
+                    o.local[idx] += 1
+                o.first_seen.setdefault(idx, now)
+                o.last_progress = now
+        if (o.complete_at is None and not p.trainer and idx not in o.have
+                and idx not in o.inflight):
+            self._pick_one(o, idx, p, now)
+        if self.config.super_seed:
+            self._suggest_to(p, o)
 
     @staticmethod
     def _check_index(o: _Obj, index: int) -> None:

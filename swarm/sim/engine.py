@@ -22,6 +22,7 @@ import numpy as np
 
 from swarm.content.ids import chunk_id, domain_hash
 from swarm.protocol.exchange import (
+    Event,
     Exchange,
     ExchangeConfig,
     ObjectComplete,
@@ -29,7 +30,7 @@ from swarm.protocol.exchange import (
     PeerBanned,
     PeerTimedOut,
 )
-from swarm.protocol.exchange_msgs import Message, Piece
+from swarm.protocol.exchange_msgs import Have, Message, Piece
 from swarm.sim.scenario import Population
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,22 @@ class SwarmSim:
                 if j not in wait:
                     wait.append(j)
             self._serve(i)
-        for ev in core.take_events():
+        events = core.take_events()
+        if events:
+            self._on_events(i, events)
+        t = core.next_timer()
+        if t is not None:
+            soonest = self.now + 1e-6
+            if t < soonest:
+                t = soonest
+            cur = self.timer_at.get(i)
+            if cur is None or t < cur:
+                self.timer_at[i] = t
+                self.seq += 1
+                heapq.heappush(self.heap, (t, self.seq, _TIMER, i, i, t))
+
+    def _on_events(self, i: int, events: list[Event]) -> None:
+        for ev in events:
             if isinstance(ev, ObjectComplete):
                 self.done.setdefault(i, ev.at)
                 self._changed = True
@@ -248,13 +264,6 @@ class SwarmSim:
             elif isinstance(ev, PeerTimedOut):
                 self.timeouts += 1
                 self._drop_link(i, self._index[ev.peer])
-        t = core.next_timer()
-        if t is not None:
-            t = max(t, self.now + 1e-6)
-            cur = self.timer_at.get(i)
-            if cur is None or t < cur:
-                self.timer_at[i] = t
-                self._push(t, _TIMER, i, i, t)
 
     def _drop_link(self, i: int, j: int) -> None:
         """``i`` dropped ``j``: close the connection; ``j`` notices after the latency."""
@@ -373,12 +382,21 @@ class SwarmSim:
             name = self._names[a]
             alive, links, cores, now = self.alive, self.links, self.cores, self.now
             last = len(payload) - 1
+            dirty = False
             for k, (j, msg) in enumerate(payload):
                 if j in alive and a in links[j]:
-                    cores[j].receive(name, msg, now)
-                    # several messages to one node in a row: handle them all, then pump
-                    if k == last or payload[k + 1][0] != j:
-                        self._pump(j)
+                    core = cores[j]
+                    # Most messages are haves of a chunk the receiver holds already: the
+                    # core only notes who holds it (no request, message, event or timer
+                    # can follow unless it super-seeds), so that needs no pump.
+                    if not (type(msg) is Have and core.has(msg.obj, msg.index)
+                            and not core.config.super_seed):
+                        dirty = True
+                    core.receive(name, msg, now)
+                # several messages to one node in a row: handle them all, then pump
+                if dirty and (k == last or payload[k + 1][0] != j):
+                    self._pump(j)
+                    dirty = False
         elif kind == _PIECE:
             if b not in self.alive or a not in self.links[b]:
                 return
