@@ -119,6 +119,10 @@ class NodeConfig:
     stall_timeout: float = 10.0
     #: Seconds for a libp2p dial (and, separately, the metadata exchange).
     connect_timeout: float = 10.0
+    #: Seconds for the first stream on a connection :meth:`Libp2pNode.connect` dialed or
+    #: found open; past it (or on a stream error) that peer's libp2p connections are
+    #: closed and dialed once more, with ``connect_timeout`` for the streams then.
+    stream_setup_timeout: float = 5.0
     #: Inbound messages queued before readers pause.
     inbox_depth: int = 256
     #: Payload bytes queued in all, and from one peer, before that reading pauses: a
@@ -160,6 +164,11 @@ def _listen_host(listen: str) -> str:
 
 def _peer_str(peer: Any) -> str:
     return str(peer.to_base58())
+
+
+class _StreamSetupFailed(PeerUnreachable):
+    """No stream could be opened on a libp2p connection (a stale one, or a peer still
+    starting): :meth:`Libp2pNode.connect` closes that peer's connections and redials once."""
 
 
 class _Libp2pSubscription:
@@ -396,6 +405,12 @@ class Libp2pNode:
                 pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=g.seen_ttl,
                                 max_inbound_rpc_size=g.max_message_bytes + (64 << 10))
                 pubsub.peer_queues = _DeepQueues(g.outbound_queue_depth)
+                # Message ids are (peer id, seqno) and py-libp2p starts seqnos at the Unix
+                # time in seconds, one per message: a node restarted with the same identity
+                # would reuse the seqnos of its last run's busy seconds, and its neighbours
+                # would drop those messages (new manifests) as seen. Nanoseconds, as
+                # go-libp2p does, stay ahead of any earlier run.
+                pubsub.counter = time.time_ns()
                 async with background_trio_service(pubsub), background_trio_service(router):
                     await pubsub.wait_until_ready()
                     host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
@@ -481,7 +496,7 @@ class Libp2pNode:
         return self._guest
 
     async def connect(self, address: str) -> str:
-        guest = self._check_open()
+        self._check_open()
         target = parse_tcp_multiaddr(address)
         peer = target.peer_id
         if peer is None:
@@ -492,9 +507,20 @@ class Libp2pNode:
             return peer
         if self._scores.is_banned(peer):
             raise PeerUnreachable(f"peer {peer} is banned")
+        await self._dial(address, peer, fresh=False)
+        try:
+            await self._establish(peer, target.host, first=True)
+        except _StreamSetupFailed as exc:
+            logger.info("no stream to %s on its libp2p connection (%s); redialing", peer, exc)
+            await self._dial(address, peer, fresh=True)
+            await self._establish(peer, target.host, first=False)
+        return peer
+
+    async def _dial(self, address: str, peer: str, *, fresh: bool) -> None:
+        guest = self._check_open()
         try:
             async with asyncio.timeout(self.config.connect_timeout):
-                await guest.run(self._trio_connect, address)
+                await guest.run(self._trio_connect, address, fresh)
         except TimeoutError as exc:
             raise PeerUnreachable(f"libp2p dial of {address} timed out") from exc
         except (BridgeClosed, TransportClosed):
@@ -505,29 +531,54 @@ class Libp2pNode:
                     f"the node at {address} did not prove peer id {peer} (Noise handshake "
                     f"failed: wrong peer id in the address, or not a libp2p node)") from exc
             raise PeerUnreachable(f"libp2p dial of {address} failed: {exc}") from exc
-        await self._establish(peer, target.host)
-        return peer
 
-    async def _trio_connect(self, address: str) -> None:
+    async def _trio_connect(self, address: str, fresh: bool) -> None:
+        """Dial ``address`` (a deliberate dial: libp2p's memory of failed ones is ignored).
+
+        ``fresh``: close the peer's libp2p connections first; otherwise only ones that
+        are all closed already (py-libp2p would reuse them and fail every stream).
+        """
         from libp2p.peer.peerinfo import info_from_p2p_addr
         from multiaddr import Multiaddr
 
         host = self._host
         if host is None:
             raise TransportClosed("node is closed")
-        await host.connect(info_from_p2p_addr(Multiaddr(address)))
+        info = info_from_p2p_addr(Multiaddr(address))
+        network = cast("Any", host.get_network())
+        # py-libp2p refuses, for 60 s, to dial a peer whose addresses all failed once: a
+        # restarted trainer would stay unreachable that long after it listens again.
+        unblock = getattr(network, "unblock_peer", None)
+        if unblock is not None:
+            unblock(info.peer_id)
+        conns = list(network.get_connections(info.peer_id))
+        if conns and (fresh or all(c.is_closed for c in conns)):
+            raw = [st for c in conns for st in self._raw.pop(id(c), [])]
+            with trio.move_on_after(self.config.connect_timeout), \
+                    contextlib.suppress(Exception):
+                await network.close_peer(info.peer_id)
+            await _close_socket_streams(raw)
+        await host.connect(info)
 
-    async def _establish(self, peer: str, dialed_host: str) -> None:
-        """Pick the path to a libp2p-connected peer: data plane if possible, else streams."""
+    async def _establish(self, peer: str, dialed_host: str, *, first: bool) -> None:
+        """Pick the path to a libp2p-connected peer: data plane if possible, else streams.
+
+        :raises _StreamSetupFailed: ``first`` and no stream opens on the connection.
+        """
         guest = self._check_open()
+        timeout = self.config.stream_setup_timeout if first else self.config.connect_timeout
         if self.plane is not None:
             meta = None
             try:
-                async with asyncio.timeout(self.config.connect_timeout):
-                    meta = await guest.run(self._fetch_meta, peer)
-            except (TimeoutError, DecodeError, SignatureError, PeerUnreachable) as exc:
-                logger.info("no metadata from %s (%s); using libp2p streams", peer, exc)
-            except Exception as exc:  # libp2p stream errors
+                async with asyncio.timeout(timeout):
+                    meta = await guest.run(self._fetch_meta, peer, timeout)
+            except (BridgeClosed, TransportClosed):
+                raise
+            except (DecodeError, SignatureError) as exc:
+                logger.info("bad metadata from %s (%s); using libp2p streams", peer, exc)
+            except Exception as exc:  # timeouts, libp2p stream errors
+                if first and not _is_refusal(exc):
+                    raise _StreamSetupFailed(f"metadata stream: {exc!r}") from exc
                 logger.info("metadata stream to %s failed (%r); using libp2p streams",
                             peer, exc)
             if meta is not None and meta.data_addr:
@@ -544,7 +595,12 @@ class Libp2pNode:
                                 peer, meta.data_addr, exc)
         if peer in self._paths:  # the peer's data plane dialed us meanwhile
             return
-        await self._open_out_stream(peer)
+        try:
+            await self._open_out_stream(peer, timeout)
+        except PeerUnreachable as exc:
+            if first and not _is_refusal(exc):
+                raise _StreamSetupFailed(f"message stream: {exc}") from exc
+            raise
         self._set_path(peer, Path.LIBP2P)
 
     async def send(self, peer_id: str, payload: bytes) -> None:
@@ -639,18 +695,20 @@ class Libp2pNode:
 
     def _on_libp2p_disconnected(self, peer: str) -> None:
         host = self._host
-        if host is not None and _id_from_str(peer) in host.get_connected_peers():
-            return
+        if host is not None:
+            conns = cast("Any", host.get_network()).get_connections(_id_from_str(peer))
+            if any(not c.is_closed for c in conns):
+                return
         self._out_streams.pop(peer, None)
         self._drop_path(peer, Path.LIBP2P, "libp2p connection closed")
 
     # -- libp2p message streams ------------------------------------------------------
-    async def _open_out_stream(self, peer: str) -> INetStream:
+    async def _open_out_stream(self, peer: str, timeout: float | None = None) -> INetStream:
         guest = self._check_open()
         stream = self._out_streams.get(peer)
         if stream is None:
             try:
-                stream = await guest.run(self._trio_new_stream, peer, MSG_PROTOCOL)
+                stream = await guest.run(self._trio_new_stream, peer, MSG_PROTOCOL, timeout)
             except (BridgeClosed, TransportClosed):
                 raise
             except Exception as exc:
@@ -659,13 +717,14 @@ class Libp2pNode:
             self._out_streams[peer] = stream
         return stream
 
-    async def _trio_new_stream(self, peer: str, protocol: str) -> INetStream:
+    async def _trio_new_stream(self, peer: str, protocol: str, timeout: float | None = None
+                               ) -> INetStream:
         from libp2p.custom_types import TProtocol
 
         host = self._host
         if host is None:
             raise TransportClosed("node is closed")
-        with trio.fail_after(self.config.connect_timeout):
+        with trio.fail_after(self.config.connect_timeout if timeout is None else timeout):
             return await host.new_stream(_id_from_str(peer), [TProtocol(protocol)])
 
     async def _send_libp2p(self, peer: str, payload: bytes) -> None:
@@ -772,11 +831,11 @@ class Libp2pNode:
         with contextlib.suppress(Exception):
             await stream.close()
 
-    async def _fetch_meta(self, peer: str) -> topics.PeerMetadata:
-        stream = await self._trio_new_stream(peer, META_PROTOCOL)
+    async def _fetch_meta(self, peer: str, timeout: float) -> topics.PeerMetadata:
+        stream = await self._trio_new_stream(peer, META_PROTOCOL, timeout)
         buf = bytearray()
         try:
-            with trio.fail_after(self.config.connect_timeout):
+            with trio.fail_after(timeout):
                 while len(buf) <= MAX_META_BYTES:
                     try:
                         chunk = await stream.read(MAX_META_BYTES + 1 - len(buf))
@@ -910,6 +969,16 @@ async def _close_socket_streams(streams: list[trio.SocketStream]) -> None:
 
 
 def _is_security_failure(exc: BaseException) -> bool:
+    return _mentions(exc, ("security", "handshake", "peer id"))
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """The peer answered that it does not serve the protocol (a live connection)."""
+    return _mentions(exc, ("not supported",))
+
+
+def _mentions(exc: BaseException, words: tuple[str, ...]) -> bool:
+    """Whether ``exc``, its causes or grouped errors name any of ``words``."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -918,7 +987,7 @@ def _is_security_failure(exc: BaseException) -> bool:
             continue
         seen.add(id(e))
         text = f"{type(e).__name__} {e}".lower()
-        if "security" in text or "handshake" in text or "peer id" in text:
+        if any(w in text for w in words):
             return True
         for nxt in (e.__cause__, e.__context__):
             if nxt is not None:

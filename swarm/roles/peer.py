@@ -84,7 +84,9 @@ class PeerConfig:
     bootstrap nodes it is reachable through)."""
     reconnect_min: float = 0.5
     """First wait between redials; doubles up to ``reconnect_max``."""
-    reconnect_max: float = 10.0
+    reconnect_max: float = 2.0
+    """Longest wait between redials: a restarted trainer is found again within about
+    this long after it listens (a refused dial costs one round trip)."""
     store_budget: int = 256 << 20
     """Bytes of received chunks kept on disk (the two newest versions always stay)."""
 
