@@ -264,6 +264,7 @@ class Exchange:
         self._next_rechoke = now + self.config.rechoke_interval
         self._rechokes = 0
         self._wake: float | None = None
+        self._timer_earlier = False  # see pending()
         # (earliest possible deadline, sent time, peer, obj, index) of requests in flight
         self._deadlines: list[tuple[float, float, str, bytes, int]] = []
         self._avg = 1
@@ -411,8 +412,16 @@ class Exchange:
         p = self._peers.get(peer)
         return p is not None and p.out.get((obj, idx)) == sent
 
+    def pending(self) -> bool:
+        """Whether the last calls may have left work for the driver: messages, upload-ready
+        neighbours or events to take, or a timer earlier than :meth:`next_timer` said when
+        last asked. (A driver that calls everything after every input needs no such check;
+        a simulator delivering a million small messages saves most of that work.)"""
+        return bool(self._out or self._ready or self._events or self._timer_earlier)
+
     def next_timer(self) -> float | None:
         """When :meth:`handle_timer` should next run."""
+        self._timer_earlier = False
         t = self._next_rechoke
         dl = self._deadlines
         while dl and not self._live_deadline(dl[0]):
@@ -920,6 +929,7 @@ class Exchange:
     def _set_wake(self, t: float) -> None:
         if self._wake is None or t < self._wake:
             self._wake = t
+            self._timer_earlier = True
 
     # ------------------------------------------------------------ upload side
 

@@ -30,7 +30,7 @@ from swarm.protocol.exchange import (
     PeerBanned,
     PeerTimedOut,
 )
-from swarm.protocol.exchange_msgs import Have, Message, Piece
+from swarm.protocol.exchange_msgs import Message, Piece
 from swarm.sim.scenario import Population
 
 log = logging.getLogger(__name__)
@@ -386,13 +386,10 @@ class SwarmSim:
             for k, (j, msg) in enumerate(payload):
                 if j in alive and a in links[j]:
                     core = cores[j]
-                    # Most messages are haves of a chunk the receiver holds already: the
-                    # core only notes who holds it (no request, message, event or timer
-                    # can follow unless it super-seeds), so that needs no pump.
-                    if not (type(msg) is Have and core.has(msg.obj, msg.index)
-                            and not core.config.super_seed):
-                        dirty = True
                     core.receive(name, msg, now)
+                    # most messages are haves that only update the receiver's books
+                    if core.pending():
+                        dirty = True
                 # several messages to one node in a row: handle them all, then pump
                 if dirty and (k == last or payload[k + 1][0] != j):
                     self._pump(j)
