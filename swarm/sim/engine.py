@@ -87,7 +87,7 @@ class SwarmSim:
                  config: ExchangeConfig | None = None,
                  trainer_config: ExchangeConfig | None = None,
                  progress: Callable[[float, int, int], None] | None = None,
-                 max_time: float | None = None) -> None:
+                 max_time: float | None = None, pump_always: bool = False) -> None:
         sc = pop.scenario
         self.pop = pop
         self.topo = pop.topo
@@ -105,6 +105,9 @@ class SwarmSim:
             unchoke_all=True, super_seed=True, max_queue=256, suggest_depth=1,
             suggest_total=48)
         self.scale_slots = True
+        self.pump_always = pump_always
+        """Collect a node's output after every message, not only when it says it has some
+        (:meth:`Exchange.pending`): slower, the same results (a test checks that)."""
         self.n_total = self.topo.n_nodes
         self.cores: dict[int, Exchange] = {}
         self.alive: set[int] = set()
@@ -388,7 +391,7 @@ class SwarmSim:
                     core = cores[j]
                     core.receive(name, msg, now)
                     # most messages are haves that only update the receiver's books
-                    if core.pending():
+                    if self.pump_always or core.pending():
                         dirty = True
                 # several messages to one node in a row: handle them all, then pump
                 if dirty and (k == last or payload[k + 1][0] != j):
