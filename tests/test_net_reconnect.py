@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.torch_engine import TorchEngine
 from swarm.identity import Identity
 from swarm.net import topics
-from swarm.net.node import Libp2pNode, NodeConfig
+from swarm.net.node import META_PROTOCOL, MSG_PROTOCOL, Libp2pNode, NodeConfig
 from swarm.net.transport import Path as NetPath
 from swarm.net.transport import PeerUnreachable
 from swarm.protocol.leases import SamplingParams
@@ -114,6 +115,38 @@ async def test_node_without_data_plane_is_redialed_over_libp2p_streams() -> None
                 await peer.send(TRAINER.peer_id, b"again")
                 got = await second.recv()
             assert (got.peer_id, got.payload) == (PEER.peer_id, b"again")
+
+
+async def test_a_node_whose_streams_hang_is_unreachable_within_bounded_time() -> None:
+    from libp2p.custom_types import TProtocol
+
+    async def hang(stream: object) -> None:
+        await trio.sleep_forever()
+
+    quick = NodeConfig(stream_setup_timeout=0.5, connect_timeout=2.0)
+    async with Libp2pNode(TRAINER) as stuck, Libp2pNode(PEER, quick) as peer:
+        for protocol in (META_PROTOCOL, MSG_PROTOCOL):
+            stuck.libp2p_host.set_stream_handler(TProtocol(protocol), hang)
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable):
+            await peer.connect(stuck.listen_addresses[0])
+        took = time.monotonic() - started
+        # One short try on the first connection, one full one on a redialed connection.
+        assert took < 0.5 + 2.0 + 2 * 2.0, f"took {took:.1f} s"
+        assert TRAINER.peer_id not in peer.connected_peers()
+
+
+async def test_a_node_serving_no_metadata_is_reached_over_libp2p_streams() -> None:
+    from libp2p.custom_types import TProtocol
+
+    async with Libp2pNode(TRAINER) as other, Libp2pNode(PEER) as peer:
+        other.libp2p_host.remove_stream_handler(TProtocol(META_PROTOCOL))
+        await peer.connect(other.listen_addresses[0])
+        assert peer.path(TRAINER.peer_id) is NetPath.LIBP2P
+        async with asyncio.timeout(10):
+            await peer.send(TRAINER.peer_id, b"no metadata")
+            got = await other.recv()
+        assert (got.peer_id, got.payload) == (PEER.peer_id, b"no metadata")
 
 
 @contextlib.asynccontextmanager

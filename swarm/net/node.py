@@ -577,10 +577,15 @@ class Libp2pNode:
             except (DecodeError, SignatureError) as exc:
                 logger.info("bad metadata from %s (%s); using libp2p streams", peer, exc)
             except Exception as exc:  # timeouts, libp2p stream errors
-                if first and not _is_refusal(exc):
-                    raise _StreamSetupFailed(f"metadata stream: {exc!r}") from exc
-                logger.info("metadata stream to %s failed (%r); using libp2p streams",
-                            peer, exc)
+                if not _is_refusal(exc):
+                    # No stream opens on this connection: a message stream would wait
+                    # out its timeout too.
+                    if peer in self._paths:  # its data plane dialed us meanwhile
+                        return
+                    if first:
+                        raise _StreamSetupFailed(f"metadata stream: {exc!r}") from exc
+                    raise PeerUnreachable(f"no stream opens to {peer}: {exc!r}") from exc
+                logger.info("%s serves no metadata (%r); using libp2p streams", peer, exc)
             if meta is not None and meta.data_addr:
                 host, _, port = meta.data_addr.rpartition(":")
                 if host in _UNSPECIFIED:  # it listens on every interface: use the one we dialed
