@@ -173,18 +173,20 @@ class FlowNetwork:
         rate = np.zeros(f)
         frozen = np.zeros(f, bool)
         nres = len(cap)
+        slack = 1 + self.tolerance
+        # (fr, rr) keep only the entries of flows not frozen yet, so each round is cheaper
         for _ in range(nres + 1):
-            live = ~frozen[fr]
-            if not live.any():
+            if not len(fr):
                 break
-            cnt = np.bincount(rr[live], minlength=nres)
+            cnt = np.bincount(rr, minlength=nres)
             used = cnt > 0
             share = np.full(nres, np.inf)
-            share[used] = np.maximum(cap[used], 0.0) / cnt[used]
+            np.divide(np.maximum(cap, 0.0), cnt, out=share, where=used)
             level = float(share.min())
             rate[~frozen] += level
             cap -= level * cnt
-            tight = used & (share <= level * (1 + self.tolerance) + 1e-9)
-            hit = live & tight[rr]
-            frozen[fr[hit]] = True
+            tight = used & (share <= level * slack + 1e-9)
+            frozen[fr[tight[rr]]] = True
+            live = ~frozen[fr]
+            fr, rr = fr[live], rr[live]
         self._rate[idx] = rate
