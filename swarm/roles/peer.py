@@ -54,6 +54,8 @@ from swarm.roles.mux import Channel
 log = logging.getLogger(__name__)
 
 STATE_FILE = "peer.state"
+#: Longest wait before dialing again a neighbour from the directory that did not answer.
+DISCOVER_RETRY_MAX = 60.0
 
 StatusFn = Callable[[str, dict[str, object]], None]
 
@@ -426,6 +428,10 @@ class RolloutPeer(NodeBase):
         directory = getattr(self.net, "directory", None)
         if directory is None:
             return
+        loop = asyncio.get_running_loop()
+        # Peers whose dial failed: (when to try again, the wait that gave). The transport
+        # dials whenever asked, so dead entries of the directory are backed off here.
+        failed: dict[str, tuple[float, float]] = {}
         while True:
             await asyncio.sleep(self.config.discover_interval)
             connected = self.net.connected_peers()
@@ -435,11 +441,24 @@ class RolloutPeer(NodeBase):
             entries: Mapping[str, topics.PeerMetadata] = directory()
             # The trainer first (when we joined through a bootstrap node), then others.
             order = sorted(entries.items(), key=lambda kv: (kv[0] != self.config.trainer, kv[0]))
+            if len(failed) > len(entries):
+                failed = {p: f for p, f in failed.items() if p in entries}
             for peer, meta in order:
                 if peer in connected or peer == self.net.peer_id or not meta.addrs:
                     continue
-                with contextlib.suppress(SwarmError, OSError):
+                retry = failed.get(peer)
+                if retry is not None and loop.time() < retry[0]:
+                    continue
+                try:
                     await self.net.connect(meta.addrs[0])
+                except (SwarmError, OSError) as exc:
+                    log.debug("dial %s: %s", peer, exc)
+                    cap = (self.config.reconnect_max if peer == self.config.trainer
+                           else DISCOVER_RETRY_MAX)
+                    wait = min(2 * retry[1], cap) if retry else self.config.reconnect_min
+                    failed[peer] = (loop.time() + wait, wait)
+                else:
+                    failed.pop(peer, None)
                     others.append(peer)
                 if len(others) >= self.config.max_neighbours:
                     break
