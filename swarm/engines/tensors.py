@@ -6,25 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm.content.layout import DTYPE_SIZES
 from swarm.engines import EngineUpdateError, tensor_digest
 
-_BY_NAME: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "uint16": torch.uint16,
-    "int16": torch.int16,
-    "uint32": torch.uint32,
-    "int32": torch.int32,
-    "uint64": torch.uint64,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-}
+# Every dtype a state layout may hold; layout names are torch's own dtype names.
+_BY_NAME: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
 _BY_DTYPE: dict[torch.dtype, str] = {v: k for k, v in _BY_NAME.items()}
 
 
