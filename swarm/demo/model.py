@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -56,36 +55,19 @@ class TinyModelConfig:
             raise LocalProtocolError("init_std must be positive")
 
 
-def _hf_config(cfg: TinyModelConfig) -> Any:
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_positions,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-
-
 def build_model(cfg: TinyModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A fresh model with the config's seeded random weights, in eval mode.
 
     The global torch RNG is left as it was.
     """
-    from transformers import Qwen3ForCausalLM
+    from swarm.engines.torch_engine import random_qwen3
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model: torch.nn.Module = Qwen3ForCausalLM(_hf_config(cfg))
-    model.to(dtype=dtype)
-    model.eval()
+    model: torch.nn.Module = random_qwen3(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        max_positions=cfg.max_positions, tie_word_embeddings=False, init_std=cfg.init_std,
+        seed=cfg.seed, dtype=dtype, use_cache=False)
     return model
 
 

@@ -40,6 +40,7 @@ def random_qwen3(
     init_std: float = 0.02,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    use_cache: bool = True,
 ) -> PreTrainedModel:
     """A randomly initialised ``Qwen3ForCausalLM`` built from a config (no download).
 
@@ -58,6 +59,7 @@ def random_qwen3(
         max_position_embeddings=max_positions,
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=init_std,
+        use_cache=use_cache,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
