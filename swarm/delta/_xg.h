@@ -1,0 +1,42 @@
+/* Kernels of the swarm-xg1 delta codec shared by the extension's C files.
+ *
+ * Every kernel works on raw bits (unsigned integers of the element width), so change
+ * detection compares bits, never float values. See swarm/delta/codec.py for the format.
+ */
+#ifndef SWARM_XG_H
+#define SWARM_XG_H
+
+#include <stdint.h>
+
+/* Result of a fast path that does not run on this CPU or input (the caller falls back). */
+#define XG_UNSUPPORTED (-2)
+
+/* Order-preserving key of a sign-magnitude float's bits (integers: signbit == 0). */
+static inline uint64_t xg_key(uint64_t b, uint64_t signbit, uint64_t full) {
+    if (signbit != 0 && (b & signbit) != 0) return full ^ b;
+    return b | signbit;
+}
+
+static inline uint64_t xg_unkey(uint64_t k, uint64_t signbit, uint64_t full) {
+    if (signbit == 0) return k;
+    if ((k & signbit) != 0) return k ^ signbit;
+    return full ^ k;
+}
+
+/* SIMD scan of 2-byte elements: class (exponent field), rank of the element within its
+ * class in the segment, and key difference of every change, in element order within each
+ * class. Returns the number of changes, -1 when more than ``cap`` changed, or
+ * XG_UNSUPPORTED (nothing written that matters) when this CPU lacks the instructions. */
+int64_t xg_scan16_simd(const uint16_t *old, const uint16_t *new_, int64_t n, unsigned shift,
+                       unsigned emask, uint16_t signbit, uint16_t full, uint16_t *cls,
+                       uint32_t *rank, uint16_t *diff, int64_t cap);
+
+/* SIMD locate of 2-byte elements: class ``c`` has its changes' rank gaps at
+ * ``gaps[class_start[c] .. class_end[c])``; writes each change's element index to
+ * ``pos[class_start[c] + j]``. ``nclass`` is emask + 1. Returns 0, 1 when a class runs out
+ * of elements before its last change, or XG_UNSUPPORTED. */
+int xg_locate16_simd(const uint16_t *old, int64_t n, unsigned shift, unsigned emask,
+                     const int64_t *class_start, const int64_t *class_end, int nclass,
+                     const int64_t *gaps, uint32_t *pos);
+
+#endif
