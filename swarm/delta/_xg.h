@@ -23,6 +23,9 @@ static inline uint64_t xg_unkey(uint64_t k, uint64_t signbit, uint64_t full) {
     return full ^ k;
 }
 
+/* 1 when the SIMD paths below run on this CPU (x86-64 with AVX-512 F/BW and BMI2). */
+int xg_simd_available(void);
+
 /* SIMD scan of 2-byte elements: class (exponent field), rank of the element within its
  * class in the segment, and key difference of every change, in element order within each
  * class. Returns the number of changes, -1 when more than ``cap`` changed, or

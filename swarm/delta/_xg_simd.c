@@ -1,6 +1,8 @@
 /* AVX-512 fast paths of the swarm-xg1 kernels for 2-byte elements (bf16, fp16). */
 #include "_xg.h"
 
+int xg_simd_available(void) { return 0; }
+
 int64_t xg_scan16_simd(const uint16_t *old, const uint16_t *new_, int64_t n, unsigned shift,
                        unsigned emask, uint16_t signbit, uint16_t full, uint16_t *cls,
                        uint32_t *rank, uint16_t *diff, int64_t cap) {
