@@ -23,7 +23,6 @@ before any byte is written.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
@@ -35,7 +34,7 @@ import zstandard
 
 from swarm.content.layout import StateLayout
 from swarm.content.manifest import MAX_CHUNK_BYTES
-from swarm.delta import _kernels as K
+from swarm.delta import _xg
 from swarm.delta.dtypes import BIT_FORMATS, BitFormat, bits_view
 from swarm.errors import DecodeError, LocalProtocolError
 from swarm.wire import strict
@@ -46,10 +45,8 @@ CHUNK_TARGET = 1 << 20
 MAX_SEGMENTS = 1 << 16
 MAX_CHUNK_CHANGES = 1 << 24  # bounds decode memory (about 14 bytes per change)
 ZSTD_LEVEL = 1
-_GAP_BITS_MAX = K.RICE_QMAX + 32
-_LITTLE = sys.byteorder == "little"
+_GAP_BITS_MAX = _xg.RICE_QMAX + 32
 
-U64 = np.uint64
 Bits = np.ndarray
 
 _local = threading.local()
@@ -93,41 +90,19 @@ class EncodedSegment:
                 self.signs, self.mags]
 
 
-def _scan(old: Bits, new: Bits, fmt: BitFormat, counts: np.ndarray, cls: np.ndarray,
-          rank: np.ndarray, d: np.ndarray) -> int:
-    """:func:`K.scan_changes` of a segment; 2-byte elements go four per uint64 word."""
-    shift, emask = U64(fmt.shift), U64(fmt.emask)
-    n = old.shape[0]
-    words = n // 4 if old.itemsize == 2 and _LITTLE else 0
-    k = 0
-    if words:
-        k = K.scan_changes16(old[:4 * words].view(np.uint64), new[:4 * words].view(np.uint64),
-                             shift, emask, fmt.signbit, fmt.full, counts, cls, rank, d)
-        if k < 0:
-            return -1
-    if 4 * words < n:
-        t = K.scan_changes(old[4 * words:], new[4 * words:], shift, emask, fmt.signbit,
-                           fmt.full, counts, cls[k:], rank[k:], d[k:])
-        if t < 0:
-            return -1
-        k += t
-    return int(k)
-
-
 def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
                    ) -> EncodedSegment | None:
     """Encode the changed bits between two equal-length unsigned views; None if none."""
     n = old.shape[0]
-    counts = np.zeros((4, fmt.nclass), np.int64)
     cap = max(1024, n // 16)
     while True:
         cls = np.empty(cap, np.uint16)
         rank = np.empty(cap, np.uint32)
         d = np.empty(cap, fmt.uint)
-        k = _scan(old, new, fmt, counts, cls, rank, d)
+        k = _xg.scan(old, new, fmt.shift, fmt.emask, int(fmt.signbit), int(fmt.full), cls,
+                     rank, d)
         if k >= 0:
             break
-        counts[:] = 0
         cap = n
     if k == 0:
         return None
@@ -136,8 +111,7 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
     gaps = np.empty(_gap_bound(k), np.uint8)
     signs = np.zeros((k + 7) // 8, np.uint8)
     mags = np.empty(k * (1 + fmt.nbytes), np.uint8)
-    g, m = K.group_encode(cls, rank, d, k, fmt.nclass, fmt.nbytes, fmt.full, fmt.half,
-                          ccount, kparam, gaps, signs, mags)
+    g, m = _xg.group_encode(cls, rank, d, k, fmt.nclass, ccount, kparam, gaps, signs, mags)
     present = np.flatnonzero(ccount)
     classes = (present.astype("<u2").tobytes() + ccount[present].astype("<u4").tobytes()
                + kparam[present].astype(np.uint8).tobytes())
@@ -238,7 +212,7 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     ccounts = np.frombuffer(classes, "<u4", nc, offset=2 * nc).astype(np.int64)
     kparams = np.frombuffer(classes, np.uint8, nc, offset=6 * nc).astype(np.int64)
     if (ids[-1] >= fmt.nclass or np.any(np.diff(ids) <= 0) or np.any(ccounts <= 0)
-            or np.any(kparams > K.RICE_KMAX) or int(ccounts.sum()) != changes):
+            or np.any(kparams > _xg.RICE_KMAX) or int(ccounts.sum()) != changes):
         raise DecodeError("chunk: class table inconsistent with the change count")
     if len(signs) != (changes + 7) // 8:
         raise DecodeError("chunk: sign stream has the wrong length")
@@ -247,12 +221,11 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     gap_bytes = np.frombuffer(gaps, np.uint8)
     mag_bytes = _unzstd(mags, (1 + fmt.nbytes) * changes, "magnitude")
     gapv = np.empty(changes, np.int64)
-    err = K.decode_gaps(ccounts, kparams, gap_bytes, gapv, count)
+    err = _xg.decode_gaps(ccounts, kparams, gap_bytes, gapv, count)
     if err:
         raise DecodeError(f"chunk: bad gap stream (code {err})")
     diffs = np.empty(changes, fmt.uint)
-    err = K.decode_values(np.frombuffer(signs, np.uint8), mag_bytes, changes, fmt.nbytes,
-                          fmt.full, fmt.half, diffs)
+    err = _xg.decode_values(signs, mag_bytes, changes, diffs)
     if err:
         raise DecodeError(f"chunk: bad sign/magnitude stream (code {err})")
     class_start = np.zeros(fmt.nclass, np.int64)
@@ -262,12 +235,7 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     class_end[ids] = ends
     pos = np.empty(changes, np.uint32)
     old = views[tensor][start:start + count]
-    if old.itemsize == 2 and _LITTLE:
-        w = count // 4
-        err = K.locate16(old[:4 * w].view(np.uint64), old[4 * w:], U64(fmt.shift),
-                         U64(fmt.emask), class_start, class_end, gapv, pos)
-    else:
-        err = K.locate(old, U64(fmt.shift), U64(fmt.emask), class_start, class_end, gapv, pos)
+    err = _xg.locate(old, fmt.shift, fmt.emask, class_start, class_end, gapv, pos)
     if err:
         raise DecodeError("chunk: a change's rank is past its class population")
     return SegmentChange(tensor, start, pos, diffs)
@@ -306,8 +274,8 @@ def _apply(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
     segs = reversed(chunk.segments) if negate else chunk.segments
     for s in segs:
         fmt = BIT_FORMATS[layout.tensors[s.tensor].dtype]
-        K.apply_diffs(views[s.tensor][s.start:], s.positions, s.diffs, fmt.signbit, fmt.full,
-                      negate)
+        _xg.apply_diffs(views[s.tensor][s.start:], s.positions, s.diffs, int(fmt.signbit),
+                        int(fmt.full), negate)
 
 
 def apply_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk) -> None:

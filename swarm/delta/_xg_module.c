@@ -1,0 +1,930 @@
+/* swarm.delta._xg: the fused single-pass kernels of the swarm-xg1 delta codec.
+ *
+ * Every kernel works on unsigned integer views of raw bits (1, 2, 4 or 8 bytes an
+ * element), so change detection compares bits, never float values. Values are mapped to
+ * order-preserving keys (sign-magnitude floats become monotone unsigned integers; integers
+ * stay as they are) and a change is the key difference modulo 2**bits: exact and
+ * reversible for every bit pattern, including -0.0/+0.0 and NaN payloads.
+ *
+ * The wrappers check every buffer (1-D, C-contiguous, integer format, item size, length,
+ * writability) and every index a kernel writes through, raising TypeError/ValueError, so
+ * no call writes out of bounds. Malformed *stream data* is not an exception: the decoding
+ * kernels return the error codes that swarm/delta/codec.py turns into DecodeError. The
+ * GIL is released around every kernel. 2-byte elements take the SIMD paths of
+ * _xg_simd.c when the CPU has them (see simd()/set_simd()).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_xg.h"
+
+#define ESCAPE 255
+#define RICE_KMAX 24
+#define RICE_QMAX 24
+#define MAX_NCLASS 2048
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define XG_LITTLE 1
+#else
+#define XG_LITTLE 0
+#endif
+
+/* Whether the 2-byte kernels may take the SIMD paths (set_simd); read under the GIL. */
+static int use_simd = 1;
+
+/* ------------------------------------------------------------------------------------ */
+/* Kernels                                                                              */
+/* ------------------------------------------------------------------------------------ */
+
+static inline uint64_t load_elem(const void *p, int64_t i, int width) {
+    switch (width) {
+    case 1: return ((const uint8_t *)p)[i];
+    case 2: return ((const uint16_t *)p)[i];
+    case 4: return ((const uint32_t *)p)[i];
+    default: return ((const uint64_t *)p)[i];
+    }
+}
+
+static inline void store_elem(void *p, int64_t i, int width, uint64_t v) {
+    switch (width) {
+    case 1: ((uint8_t *)p)[i] = (uint8_t)v; break;
+    case 2: ((uint16_t *)p)[i] = (uint16_t)v; break;
+    case 4: ((uint32_t *)p)[i] = (uint32_t)v; break;
+    default: ((uint64_t *)p)[i] = v; break;
+    }
+}
+
+/* Scan of one element width. ``counts`` has four rows of ``nclass`` (element index mod 4)
+ * so that consecutive increments do not wait on each other; an element's rank in its
+ * class is the sum of the four rows. Four unchanged elements in a row only count. */
+#define XG_RECORD(T, b, c, e)                                                              \
+    do {                                                                                   \
+        if (k == cap) return -1;                                                           \
+        cls[k] = (uint16_t)(e);                                                            \
+        rank[k] = c0[e] + c1[e] + c2[e] + c3[e];                                           \
+        d[k] = (T)((xg_key((c), signbit, full) - xg_key((b), signbit, full)) & full);      \
+        k++;                                                                               \
+    } while (0)
+
+#define XG_DEFINE_SCAN(NAME, T)                                                            \
+    static int64_t NAME(const T *restrict old, const T *restrict new_, int64_t n,          \
+                        unsigned shift, uint64_t emask, uint64_t signbit, uint64_t full,   \
+                        uint32_t *restrict counts, int64_t nclass, uint16_t *restrict cls, \
+                        uint32_t *restrict rank, T *restrict d, int64_t cap) {             \
+        uint32_t *restrict c0 = counts, *restrict c1 = counts + nclass;                    \
+        uint32_t *restrict c2 = counts + 2 * nclass, *restrict c3 = counts + 3 * nclass;   \
+        uint32_t *rows[4] = {c0, c1, c2, c3};                                              \
+        int64_t k = 0, i = 0, n4 = n - (n & 3);                                            \
+        for (; i < n4; i += 4) {                                                           \
+            uint64_t x0 = old[i], x1 = old[i + 1], x2 = old[i + 2], x3 = old[i + 3];       \
+            if (((x0 ^ new_[i]) | (x1 ^ new_[i + 1]) | (x2 ^ new_[i + 2])                  \
+                 | (x3 ^ new_[i + 3])) == 0) {                                             \
+                c0[(x0 >> shift) & emask]++;                                               \
+                c1[(x1 >> shift) & emask]++;                                               \
+                c2[(x2 >> shift) & emask]++;                                               \
+                c3[(x3 >> shift) & emask]++;                                               \
+                continue;                                                                  \
+            }                                                                              \
+            for (int j = 0; j < 4; j++) {                                                  \
+                uint64_t b = old[i + j], c = new_[i + j];                                  \
+                uint64_t e = (b >> shift) & emask;                                         \
+                if (b != c) XG_RECORD(T, b, c, e);                                         \
+                rows[j][e]++;                                                              \
+            }                                                                              \
+        }                                                                                  \
+        for (; i < n; i++) {                                                               \
+            uint64_t b = old[i], c = new_[i];                                              \
+            uint64_t e = (b >> shift) & emask;                                             \
+            if (b != c) XG_RECORD(T, b, c, e);                                             \
+            rows[i & 3][e]++;                                                              \
+        }                                                                                  \
+        return k;                                                                          \
+    }
+
+XG_DEFINE_SCAN(scan_u8, uint8_t)
+XG_DEFINE_SCAN(scan_u32, uint32_t)
+XG_DEFINE_SCAN(scan_u64, uint64_t)
+#if !XG_LITTLE
+XG_DEFINE_SCAN(scan_u16, uint16_t)
+#else
+/* 2-byte elements read as uint64 words, four elements a load (the exponent field of each
+ * lane lies within its 16 bits, so one shift per lane selects it). */
+static int64_t scan_u16(const uint16_t *restrict old, const uint16_t *restrict new_,
+                        int64_t n, unsigned shift, uint64_t emask, uint64_t signbit,
+                        uint64_t full, uint32_t *restrict counts, int64_t nclass,
+                        uint16_t *restrict cls, uint32_t *restrict rank,
+                        uint16_t *restrict d, int64_t cap) {
+    uint32_t *restrict c0 = counts, *restrict c1 = counts + nclass;
+    uint32_t *restrict c2 = counts + 2 * nclass, *restrict c3 = counts + 3 * nclass;
+    uint32_t *rows[4] = {c0, c1, c2, c3};
+    const unsigned s1 = shift + 16, s2 = shift + 32, s3 = shift + 48;
+    int64_t k = 0, i = 0, nw = n / 4;
+    for (int64_t w = 0; w < nw; w++) {
+        uint64_t x, y;
+        memcpy(&x, old + 4 * w, 8);
+        memcpy(&y, new_ + 4 * w, 8);
+        if (x == y) {
+            c0[(x >> shift) & emask]++;
+            c1[(x >> s1) & emask]++;
+            c2[(x >> s2) & emask]++;
+            c3[(x >> s3) & emask]++;
+            continue;
+        }
+        for (int j = 0; j < 4; j++) {
+            uint64_t b = (x >> (16 * j)) & 0xFFFF, c = (y >> (16 * j)) & 0xFFFF;
+            uint64_t e = (b >> shift) & emask;
+            if (b != c) XG_RECORD(uint16_t, b, c, e);
+            rows[j][e]++;
+        }
+    }
+    for (i = 4 * nw; i < n; i++) {
+        uint64_t b = old[i], c = new_[i];
+        uint64_t e = (b >> shift) & emask;
+        if (b != c) XG_RECORD(uint16_t, b, c, e);
+        rows[i & 3][e]++;
+    }
+    return k;
+}
+#endif
+
+/* Rice parameter of one class: the cheapest of five around log2 of the mean gap. */
+static int rice_param(const int64_t *gapv, int64_t c) {
+    int64_t total = 0, cost[RICE_KMAX + 1];
+    for (int64_t p = 0; p < c; p++) total += gapv[p];
+    int k0 = 0;
+    while (k0 < RICE_KMAX && (c << (k0 + 1)) <= total) k0++;
+    int lo = k0 - 2 < 0 ? 0 : k0 - 2, hi = k0 + 2 > RICE_KMAX ? RICE_KMAX : k0 + 2;
+    for (int kk = lo; kk <= hi; kk++) cost[kk] = 0;
+    for (int64_t p = 0; p < c; p++) {
+        int64_t g = gapv[p];
+        for (int kk = lo; kk <= hi; kk++) {
+            int64_t q = g >> kk;
+            cost[kk] += q < RICE_QMAX ? 1 + kk + q : RICE_QMAX + 32;
+        }
+    }
+    int best = lo;
+    for (int kk = lo + 1; kk <= hi; kk++)
+        if (cost[kk] < cost[best]) best = kk;
+    return best;
+}
+
+/* Group changes by class; Rice-coded rank gaps, sign bits and escaped u8 magnitudes.
+ * ``ccount``/``kparam`` (nclass long) are overwritten; ``signs`` ((k + 7) / 8 bytes) is
+ * zeroed here. The caller checked classes < nclass and ranks increasing within a class.
+ * Returns 0, or -1 when out of memory. */
+static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d, int width,
+                        int64_t k, int64_t nclass, int64_t *ccount, int64_t *kparam,
+                        uint8_t *gaps_out, uint8_t *signs_out, uint8_t *mags_out,
+                        int64_t *g_bytes, int64_t *m_bytes) {
+    const uint64_t full = width == 8 ? UINT64_MAX : (((uint64_t)1 << (8 * width)) - 1);
+    const uint64_t half = (uint64_t)1 << (8 * width - 1);
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(2 * nclass));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(k > 0 ? k : 1));
+    int64_t *gapv = malloc(sizeof(int64_t) * (size_t)(k > 0 ? k : 1));
+    if (off == NULL || order == NULL || gapv == NULL) {
+        free(off); free(order); free(gapv);
+        return -1;
+    }
+    int64_t *last = off + nclass;
+    memset(ccount, 0, sizeof(int64_t) * (size_t)nclass);
+    memset(kparam, 0, sizeof(int64_t) * (size_t)nclass);
+    memset(signs_out, 0, (size_t)((k + 7) / 8));
+    for (int64_t j = 0; j < k; j++) ccount[cls[j]]++;
+    int64_t s = 0;
+    for (int64_t e = 0; e < nclass; e++) {
+        off[e] = s;
+        s += ccount[e];
+        last[e] = -1;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        int64_t e = cls[j], r = rank[j];
+        order[off[e]] = j;
+        gapv[off[e]] = r - last[e] - 1;
+        last[e] = r;
+        off[e]++;
+    }
+    int64_t p0 = 0;
+    for (int64_t e = 0; e < nclass; e++) {
+        if (ccount[e] == 0) continue;
+        kparam[e] = rice_param(gapv + p0, ccount[e]);
+        p0 += ccount[e];
+    }
+    uint64_t acc = 0;
+    unsigned used = 0;
+    int64_t pos = 0, m = 0;
+    p0 = 0;
+    for (int64_t e = 0; e < nclass; e++) {
+        int64_t c = ccount[e];
+        if (c == 0) continue;
+        unsigned kb = (unsigned)kparam[e];
+        uint64_t kmask = ((uint64_t)1 << kb) - 1;
+        for (int64_t p = p0; p < p0 + c; p++) {
+            uint64_t g = (uint64_t)gapv[p], q = g >> kb, code;
+            unsigned nbits;
+            if (q < RICE_QMAX) {
+                code = (((uint64_t)1 << q) - 1) | ((g & kmask) << (q + 1));
+                nbits = (unsigned)q + 1 + kb;
+            } else {
+                code = (((uint64_t)1 << RICE_QMAX) - 1) | (g << RICE_QMAX);
+                nbits = RICE_QMAX + 32;
+            }
+            /* acc holds < 8 pending bits; a code is at most 56 bits */
+            acc |= code << used;
+            used += nbits;
+            while (used >= 8) {
+                gaps_out[pos++] = (uint8_t)acc;
+                acc >>= 8;
+                used -= 8;
+            }
+        }
+        p0 += c;
+    }
+    if (used) gaps_out[pos++] = (uint8_t)acc;
+    for (int64_t p = 0; p < k; p++) {
+        uint64_t dd = load_elem(d, order[p], width), mag;
+        if (dd & half) {
+            signs_out[p >> 3] |= (uint8_t)(1u << (p & 7));
+            mag = ((full - dd) + 1) & full;
+        } else {
+            mag = dd;
+        }
+        uint64_t mm = (mag - 1) & full;
+        if (mm < ESCAPE) {
+            mags_out[m++] = (uint8_t)mm;
+        } else {
+            mags_out[m] = ESCAPE;
+            for (int t = 0; t < width; t++) mags_out[m + 1 + t] = (uint8_t)(mm >> (8 * t));
+            m += 1 + width;
+        }
+    }
+    free(off); free(order); free(gapv);
+    *g_bytes = pos;
+    *m_bytes = m;
+    return 0;
+}
+
+/* 64 bits of the byte stream from bit ``b`` (LSB first), zero past the end; at least 57
+ * of them are stream bits (or the zeros after it). */
+static inline uint64_t peek_bits(const uint8_t *s, int64_t nbytes, int64_t b) {
+    int64_t q = b >> 3;
+    uint64_t w = 0;
+    if (q + 8 <= nbytes) {
+        memcpy(&w, s + q, 8);
+#if !XG_LITTLE
+        w = __builtin_bswap64(w);
+#endif
+    } else {
+        for (int64_t t = q; t < nbytes; t++) w |= (uint64_t)s[t] << (8 * (t - q));
+    }
+    return w >> (b & 7);
+}
+
+/* Rice-coded rank gaps, grouped by class. 0 ok, 1 truncated, 2 trailing bytes or bits,
+ * 3 non-canonical escape, 4 rank past the segment. */
+static int decode_gaps(const int64_t *ccounts, const int64_t *kparams, int64_t nc,
+                       const uint8_t *gaps, int64_t nbytes, int64_t *gaps_out, int64_t limit) {
+    const int64_t nbits = nbytes * 8;
+    const uint64_t cap = (uint64_t)1 << RICE_QMAX;
+    int64_t b = 0, p = 0;
+    for (int64_t ci = 0; ci < nc; ci++) {
+        int64_t kk = kparams[ci];
+        uint64_t kmask = ((uint64_t)1 << kk) - 1;
+        int64_t last = -1;
+        for (int64_t j = 0; j < ccounts[ci]; j++) {
+            if (b >= nbits) return 1;
+            uint64_t x = peek_bits(gaps, nbytes, b);
+            int64_t q = __builtin_ctzll(~x | cap), v;
+            if (q < RICE_QMAX) {
+                if (b + q + 1 + kk > nbits) return 1;
+                v = (q << kk) | (int64_t)((x >> (q + 1)) & kmask);
+                b += q + 1 + kk;
+            } else {
+                if (b + RICE_QMAX + 32 > nbits) return 1;
+                v = (int64_t)((x >> RICE_QMAX) & 0xFFFFFFFFu);
+                b += RICE_QMAX + 32;
+                if ((v >> kk) < RICE_QMAX) return 3;
+            }
+            last = last + 1 + v;
+            if (last >= limit) return 4;
+            gaps_out[p++] = v;
+        }
+    }
+    if ((b + 7) / 8 != nbytes) return 2;
+    if (b < nbits && (gaps[nbytes - 1] >> (b & 7)) != 0) return 2;
+    return 0;
+}
+
+/* One pass over the old values: rank gaps -> element positions, grouped by class. Each
+ * class counts down the gap to its next change. ``class_start``/``class_end`` were checked
+ * to lie within ``gaps``/``pos``. Returns 0, 1 when a class runs out of elements before
+ * its last change, or -1 when out of memory. */
+static int locate(const void *old, int width, int64_t n, unsigned shift, uint64_t emask,
+                  const int64_t *class_start, const int64_t *class_end, int64_t nclass,
+                  const int64_t *gaps, uint32_t *pos) {
+    int64_t *ptr = malloc(sizeof(int64_t) * (size_t)(2 * nclass));
+    if (ptr == NULL) return -1;
+    int64_t *left = ptr + nclass;
+    for (int64_t e = 0; e < nclass; e++) {
+        ptr[e] = class_start[e];
+        left[e] = ptr[e] < class_end[e] ? gaps[ptr[e]] : -1;
+    }
+#define XG_LOCATE_LOOP(T)                                                                  \
+    do {                                                                                   \
+        const T *o = (const T *)old;                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                  \
+            uint64_t e = ((uint64_t)o[i] >> shift) & emask;                                \
+            int64_t x = left[e];                                                           \
+            left[e] = x - 1;                                                               \
+            if (x == 0) {                                                                  \
+                int64_t p = ptr[e];                                                        \
+                pos[p++] = (uint32_t)i;                                                    \
+                ptr[e] = p;                                                                \
+                left[e] = p < class_end[e] ? gaps[p] : -1;                                 \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+    switch (width) {
+    case 1: XG_LOCATE_LOOP(uint8_t); break;
+    case 2: XG_LOCATE_LOOP(uint16_t); break;
+    case 4: XG_LOCATE_LOOP(uint32_t); break;
+    default: XG_LOCATE_LOOP(uint64_t); break;
+    }
+#undef XG_LOCATE_LOOP
+    int rc = 0;
+    for (int64_t e = 0; e < nclass; e++)
+        if (ptr[e] != class_end[e]) rc = 1;
+    free(ptr);
+    return rc;
+}
+
+/* Sign bits + escaped u8 magnitudes -> key differences. 0 ok, 1 truncated, 2 trailing
+ * bytes, 3 non-canonical or out-of-range value. */
+static int decode_values(const uint8_t *signs, const uint8_t *mags, int64_t n, int64_t k,
+                         int width, void *d_out) {
+    const uint64_t full = width == 8 ? UINT64_MAX : (((uint64_t)1 << (8 * width)) - 1);
+    const uint64_t half = (uint64_t)1 << (8 * width - 1);
+    int64_t m = 0;
+    for (int64_t p = 0; p < k; p++) {
+        if (m >= n) return 1;
+        uint64_t v = mags[m++];
+        if (v == ESCAPE) {
+            if (m + width > n) return 1;
+            v = 0;
+            for (int t = 0; t < width; t++) v |= (uint64_t)mags[m + t] << (8 * t);
+            m += width;
+            if (v < ESCAPE) return 3;
+        }
+        if (v >= half) return 3;
+        uint64_t mag = v + 1;
+        if ((signs[p >> 3] >> (p & 7)) & 1) {
+            store_elem(d_out, p, width, ((full - mag) + 1) & full);
+        } else {
+            if (mag == half) return 3;
+            store_elem(d_out, p, width, mag);
+        }
+    }
+    if (m != n) return 2;
+    if ((k & 7) != 0 && (signs[k >> 3] >> (k & 7)) != 0) return 3;
+    return 0;
+}
+
+/* arr[pos] = unkey(key(arr[pos]) +/- d) in place (positions checked by the caller). */
+static void apply_diffs(void *arr, int width, const uint32_t *pos, const void *d, int64_t k,
+                        uint64_t signbit, uint64_t full, int negate) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t i = pos[j];
+        uint64_t dd = load_elem(d, j, width);
+        if (negate) dd = ((full - dd) + 1) & full;
+        uint64_t key = (xg_key(load_elem(arr, i, width), signbit, full) + dd) & full;
+        store_elem(arr, i, width, xg_unkey(key, signbit, full));
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Argument checking                                                                    */
+/* ------------------------------------------------------------------------------------ */
+
+enum { KIND_UNSIGNED = 'u', KIND_SIGNED = 'i' };
+
+/* A held buffer: 1-D, C-contiguous, integers of one kind and item size. */
+typedef struct {
+    Py_buffer view;
+    int held;
+    int64_t len;   /* elements */
+    int width;     /* bytes an element */
+} xg_buf;
+
+static void release_all(xg_buf *bufs, int n) {
+    for (int i = 0; i < n; i++) {
+        if (bufs[i].held) {
+            PyBuffer_Release(&bufs[i].view);
+            bufs[i].held = 0;
+        }
+    }
+}
+
+/* Get ``obj``'s buffer as an array of integers of ``kind`` and ``width`` bytes (0: any of
+ * 1, 2, 4, 8); raises TypeError and returns -1 otherwise. */
+static int get_array(PyObject *obj, xg_buf *out, const char *name, int writable, int kind,
+                     int width) {
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a buffer (a numpy array), not %.80s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &out->view, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", name,
+                     writable ? ", writable" : "");
+        return -1;
+    }
+    out->held = 1;
+    const char *f = out->view.format != NULL ? out->view.format : "B";
+    if (*f == '@' || *f == '=' || (XG_LITTLE && *f == '<') || (!XG_LITTLE && *f == '>'))
+        f++;
+    int fkind = 0;
+    if (f[0] != '\0' && f[1] == '\0') {
+        if (strchr("BHILQN", f[0]) != NULL) fkind = KIND_UNSIGNED;
+        else if (strchr("bhilqn", f[0]) != NULL) fkind = KIND_SIGNED;
+    }
+    Py_ssize_t isz = out->view.itemsize;
+    if (out->view.ndim != 1 || fkind != kind
+        || !(isz == 1 || isz == 2 || isz == 4 || isz == 8) || (width != 0 && isz != width)) {
+        char want[32];
+        if (width != 0)
+            PyOS_snprintf(want, sizeof want, "%s%d", kind == KIND_UNSIGNED ? "uint" : "int",
+                          8 * width);
+        else
+            PyOS_snprintf(want, sizeof want, "uint8/16/32/64");
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a 1-D array of %s, not format '%.16s' (%zd bytes, %d dims)",
+                     name, want, out->view.format != NULL ? out->view.format : "B", isz,
+                     out->view.ndim);
+        PyBuffer_Release(&out->view);
+        out->held = 0;
+        return -1;
+    }
+    out->width = (int)isz;
+    out->len = (int64_t)(out->view.len / isz);
+    return 0;
+}
+
+/* An unsigned 64-bit integer argument (Python int or numpy integer). */
+static int u64_arg(PyObject *obj, void *addr) {
+    PyObject *idx = PyNumber_Index(obj);
+    if (idx == NULL) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(idx);
+    Py_DECREF(idx);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "expected an integer in [0, 2**64)");
+        return 0;
+    }
+    *(uint64_t *)addr = (uint64_t)v;
+    return 1;
+}
+
+static uint64_t width_full(int width) {
+    return width == 8 ? UINT64_MAX : (((uint64_t)1 << (8 * width)) - 1);
+}
+
+/* ``full`` must be the all-ones value of the element width, ``signbit`` 0 or its top bit. */
+static int check_format(int width, uint64_t signbit, uint64_t full) {
+    uint64_t want = width_full(width);
+    if (full != want) {
+        PyErr_Format(PyExc_ValueError, "full must be 2**%d - 1 for %d-byte elements",
+                     8 * width, width);
+        return -1;
+    }
+    if (signbit != 0 && signbit != ((uint64_t)1 << (8 * width - 1))) {
+        PyErr_Format(PyExc_ValueError, "signbit must be 0 or 2**%d for %d-byte elements",
+                     8 * width - 1, width);
+        return -1;
+    }
+    return 0;
+}
+
+/* The exponent field selector: shift < bits, emask + 1 <= MAX_NCLASS classes. */
+static int check_field(int width, Py_ssize_t shift, Py_ssize_t emask) {
+    if (shift < 0 || shift >= 8 * width) {
+        PyErr_Format(PyExc_ValueError, "shift %zd outside [0, %d)", shift, 8 * width);
+        return -1;
+    }
+    if (emask < 0 || emask >= MAX_NCLASS) {
+        PyErr_Format(PyExc_ValueError, "emask %zd outside [0, %d)", emask, MAX_NCLASS);
+        return -1;
+    }
+    return 0;
+}
+
+static int too_short(const char *name, int64_t have, int64_t need) {
+    PyErr_Format(PyExc_ValueError, "%s has %lld elements, needs at least %lld", name,
+                 (long long)have, (long long)need);
+    return -1;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Methods                                                                              */
+/* ------------------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(scan_doc,
+"scan(old, new, shift, emask, signbit, full, cls_out, rank_out, d_out) -> int\n\n"
+"One pass over equal-length unsigned views (1, 2, 4 or 8 bytes): the class of every\n"
+"element ((old >> shift) & emask), and for each change its class, its rank within the\n"
+"class in this segment, and its key difference, in element order. Returns the number of\n"
+"changes, or -1 when more than len(cls_out) changed.");
+
+static PyObject *xg_scan(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_old, *o_new, *o_cls, *o_rank, *o_d;
+    Py_ssize_t shift, emask;
+    uint64_t signbit, full;
+    if (!PyArg_ParseTuple(args, "OOnnO&O&OOO:scan", &o_old, &o_new, &shift, &emask, u64_arg,
+                          &signbit, u64_arg, &full, &o_cls, &o_rank, &o_d))
+        return NULL;
+    xg_buf b[5];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_old, &b[0], "old", 0, KIND_UNSIGNED, 0) < 0) goto done;
+    int w = b[0].width;
+    if (get_array(o_new, &b[1], "new", 0, KIND_UNSIGNED, w) < 0
+        || get_array(o_cls, &b[2], "cls_out", 1, KIND_UNSIGNED, 2) < 0
+        || get_array(o_rank, &b[3], "rank_out", 1, KIND_UNSIGNED, 4) < 0
+        || get_array(o_d, &b[4], "d_out", 1, KIND_UNSIGNED, w) < 0
+        || check_format(w, signbit, full) < 0 || check_field(w, shift, emask) < 0)
+        goto done;
+    int64_t n = b[0].len, cap = b[2].len;
+    if (b[1].len != n) {
+        PyErr_Format(PyExc_ValueError, "old has %lld elements but new has %lld",
+                     (long long)n, (long long)b[1].len);
+        goto done;
+    }
+    if (n > (int64_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a segment holds at most 2**32 - 1 elements");
+        goto done;
+    }
+    if (b[3].len < cap) { too_short("rank_out", b[3].len, cap); goto done; }
+    if (b[4].len < cap) { too_short("d_out", b[4].len, cap); goto done; }
+    int64_t nclass = emask + 1, k = XG_UNSUPPORTED;
+    int simd = use_simd;
+    uint32_t *counts = calloc((size_t)(4 * nclass), sizeof(uint32_t));
+    if (counts == NULL) { PyErr_NoMemory(); goto done; }
+    const void *po = b[0].view.buf, *pn = b[1].view.buf;
+    uint16_t *pc = b[2].view.buf;
+    uint32_t *pr = b[3].view.buf;
+    void *pd = b[4].view.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (w == 2 && simd)
+        k = xg_scan16_simd(po, pn, n, (unsigned)shift, (unsigned)emask, (uint16_t)signbit,
+                           (uint16_t)full, pc, pr, pd, cap);
+    if (k == XG_UNSUPPORTED) {
+        unsigned s = (unsigned)shift;
+        uint64_t em = (uint64_t)emask;
+        switch (w) {
+        case 1: k = scan_u8(po, pn, n, s, em, signbit, full, counts, nclass, pc, pr, pd, cap);
+                break;
+        case 2: k = scan_u16(po, pn, n, s, em, signbit, full, counts, nclass, pc, pr, pd, cap);
+                break;
+        case 4: k = scan_u32(po, pn, n, s, em, signbit, full, counts, nclass, pc, pr, pd, cap);
+                break;
+        default: k = scan_u64(po, pn, n, s, em, signbit, full, counts, nclass, pc, pr, pd,
+                              cap);
+                break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(counts);
+    res = PyLong_FromLongLong(k);
+done:
+    release_all(b, 5);
+    return res;
+}
+
+PyDoc_STRVAR(group_encode_doc,
+"group_encode(cls, rank, d, k, nclass, ccount, kparam, gaps_out, signs_out, mags_out)\n"
+"    -> (gap_bytes, mag_bytes)\n\n"
+"Group the first k changes of scan() by class; write the Rice-coded rank gaps (one\n"
+"parameter per class: the cheapest of five around log2 of the mean gap), the sign bits\n"
+"and the escaped u8 magnitudes. ccount/kparam (int64, nclass long) receive the changes\n"
+"and the Rice parameter per class. Returns the gap and magnitude bytes written.");
+
+static PyObject *xg_group_encode(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_cls, *o_rank, *o_d, *o_cc, *o_kp, *o_g, *o_s, *o_m;
+    Py_ssize_t k, nclass;
+    if (!PyArg_ParseTuple(args, "OOOnnOOOOO:group_encode", &o_cls, &o_rank, &o_d, &k,
+                          &nclass, &o_cc, &o_kp, &o_g, &o_s, &o_m))
+        return NULL;
+    xg_buf b[8];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_cls, &b[0], "cls", 0, KIND_UNSIGNED, 2) < 0
+        || get_array(o_rank, &b[1], "rank", 0, KIND_UNSIGNED, 4) < 0
+        || get_array(o_d, &b[2], "d", 0, KIND_UNSIGNED, 0) < 0
+        || get_array(o_cc, &b[3], "ccount", 1, KIND_SIGNED, 8) < 0
+        || get_array(o_kp, &b[4], "kparam", 1, KIND_SIGNED, 8) < 0
+        || get_array(o_g, &b[5], "gaps_out", 1, KIND_UNSIGNED, 1) < 0
+        || get_array(o_s, &b[6], "signs_out", 1, KIND_UNSIGNED, 1) < 0
+        || get_array(o_m, &b[7], "mags_out", 1, KIND_UNSIGNED, 1) < 0)
+        goto done;
+    int w = b[2].width;
+    if (nclass < 1 || nclass > MAX_NCLASS) {
+        PyErr_Format(PyExc_ValueError, "nclass %zd outside [1, %d]", nclass, MAX_NCLASS);
+        goto done;
+    }
+    if (k < 0) { PyErr_SetString(PyExc_ValueError, "k must be >= 0"); goto done; }
+    if (b[0].len < k) { too_short("cls", b[0].len, k); goto done; }
+    if (b[1].len < k) { too_short("rank", b[1].len, k); goto done; }
+    if (b[2].len < k) { too_short("d", b[2].len, k); goto done; }
+    if (b[3].len < nclass) { too_short("ccount", b[3].len, nclass); goto done; }
+    if (b[4].len < nclass) { too_short("kparam", b[4].len, nclass); goto done; }
+    if (b[5].len < ((int64_t)k * (RICE_QMAX + 32) + 7) / 8) {
+        too_short("gaps_out", b[5].len, ((int64_t)k * (RICE_QMAX + 32) + 7) / 8);
+        goto done;
+    }
+    if (b[6].len < ((int64_t)k + 7) / 8) { too_short("signs_out", b[6].len, (k + 7) / 8);
+                                           goto done; }
+    if (b[7].len < (int64_t)k * (1 + w)) { too_short("mags_out", b[7].len, k * (1 + w));
+                                           goto done; }
+    const uint16_t *cls = b[0].view.buf;
+    const uint32_t *rank = b[1].view.buf;
+    {
+        /* classes in range and ranks increasing within each class (scan()'s output) */
+        int64_t *lastr = malloc(sizeof(int64_t) * (size_t)nclass);
+        if (lastr == NULL) { PyErr_NoMemory(); goto done; }
+        for (int64_t e = 0; e < nclass; e++) lastr[e] = -1;
+        int64_t bad = -1;
+        for (int64_t j = 0; j < k && bad < 0; j++) {
+            if (cls[j] >= nclass || (int64_t)rank[j] <= lastr[cls[j]]) bad = j;
+            else lastr[cls[j]] = rank[j];
+        }
+        free(lastr);
+        if (bad >= 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "change %lld: class outside [0, nclass) or rank not increasing "
+                         "within its class", (long long)bad);
+            goto done;
+        }
+    }
+    int64_t g = 0, m = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = group_encode(cls, rank, b[2].view.buf, w, k, nclass, b[3].view.buf, b[4].view.buf,
+                      b[5].view.buf, b[6].view.buf, b[7].view.buf, &g, &m);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) { PyErr_NoMemory(); goto done; }
+    res = Py_BuildValue("(LL)", (long long)g, (long long)m);
+done:
+    release_all(b, 8);
+    return res;
+}
+
+PyDoc_STRVAR(decode_gaps_doc,
+"decode_gaps(ccounts, kparams, gaps, gaps_out, limit) -> int\n\n"
+"Decode the Rice-coded rank gaps of each class (ccounts/kparams: int64, one per class\n"
+"present) into gaps_out (int64). 0 ok, 1 truncated, 2 trailing bytes or bits,\n"
+"3 non-canonical escape, 4 rank past the segment (limit elements).");
+
+static PyObject *xg_decode_gaps(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_cc, *o_kp, *o_g, *o_out;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "OOOOL:decode_gaps", &o_cc, &o_kp, &o_g, &o_out, &limit))
+        return NULL;
+    xg_buf b[4];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_cc, &b[0], "ccounts", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_kp, &b[1], "kparams", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_g, &b[2], "gaps", 0, KIND_UNSIGNED, 1) < 0
+        || get_array(o_out, &b[3], "gaps_out", 1, KIND_SIGNED, 8) < 0)
+        goto done;
+    int64_t nc = b[0].len;
+    if (b[1].len != nc) {
+        PyErr_SetString(PyExc_ValueError, "ccounts and kparams differ in length");
+        goto done;
+    }
+    const int64_t *cc = b[0].view.buf, *kp = b[1].view.buf;
+    int64_t total = 0;
+    for (int64_t i = 0; i < nc; i++) {
+        if (cc[i] < 0 || cc[i] > b[3].len - total) {
+            PyErr_Format(PyExc_ValueError, "ccounts must be >= 0 and sum to at most "
+                         "len(gaps_out) = %lld", (long long)b[3].len);
+            goto done;
+        }
+        total += cc[i];
+        if (kp[i] < 0 || kp[i] > RICE_KMAX) {
+            PyErr_Format(PyExc_ValueError, "kparams must lie in [0, %d]", RICE_KMAX);
+            goto done;
+        }
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = decode_gaps(cc, kp, nc, b[2].view.buf, b[2].len, b[3].view.buf, (int64_t)limit);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(rc);
+done:
+    release_all(b, 4);
+    return res;
+}
+
+PyDoc_STRVAR(locate_doc,
+"locate(old, shift, emask, class_start, class_end, gaps, pos_out) -> int\n\n"
+"One pass over the old values (unsigned, 1, 2, 4 or 8 bytes): turn each class's rank\n"
+"gaps gaps[class_start[c]:class_end[c]] (int64; class_start/class_end: int64, emask + 1\n"
+"long) into element positions pos_out (uint32) in the same slots. Returns 0, or 1 when a\n"
+"class runs out of elements before its last change.");
+
+static PyObject *xg_locate(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_old, *o_cs, *o_ce, *o_g, *o_pos;
+    Py_ssize_t shift, emask;
+    if (!PyArg_ParseTuple(args, "OnnOOOO:locate", &o_old, &shift, &emask, &o_cs, &o_ce, &o_g,
+                          &o_pos))
+        return NULL;
+    xg_buf b[5];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_old, &b[0], "old", 0, KIND_UNSIGNED, 0) < 0
+        || get_array(o_cs, &b[1], "class_start", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_ce, &b[2], "class_end", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_g, &b[3], "gaps", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_pos, &b[4], "pos_out", 1, KIND_UNSIGNED, 4) < 0)
+        goto done;
+    int w = b[0].width;
+    if (check_field(w, shift, emask) < 0) goto done;
+    int64_t nclass = emask + 1, n = b[0].len;
+    if (b[1].len != nclass || b[2].len != nclass) {
+        PyErr_Format(PyExc_ValueError, "class_start and class_end must hold emask + 1 = %lld "
+                     "entries", (long long)nclass);
+        goto done;
+    }
+    if (n > (int64_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a segment holds at most 2**32 - 1 elements");
+        goto done;
+    }
+    const int64_t *cs = b[1].view.buf, *ce = b[2].view.buf;
+    int64_t room = b[3].len < b[4].len ? b[3].len : b[4].len;
+    for (int64_t e = 0; e < nclass; e++) {
+        if (cs[e] < 0 || cs[e] > ce[e] || ce[e] > room) {
+            PyErr_Format(PyExc_ValueError, "class %lld: [class_start, class_end) must lie "
+                         "within gaps and pos_out", (long long)e);
+            goto done;
+        }
+    }
+    int rc = XG_UNSUPPORTED, simd = use_simd;
+    Py_BEGIN_ALLOW_THREADS
+    if (w == 2 && simd)
+        rc = xg_locate16_simd(b[0].view.buf, n, (unsigned)shift, (unsigned)emask, cs, ce,
+                              (int)nclass, b[3].view.buf, b[4].view.buf);
+    if (rc == XG_UNSUPPORTED)
+        rc = locate(b[0].view.buf, w, n, (unsigned)shift, (uint64_t)emask, cs, ce, nclass,
+                    b[3].view.buf, b[4].view.buf);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) { PyErr_NoMemory(); goto done; }
+    res = PyLong_FromLong(rc);
+done:
+    release_all(b, 5);
+    return res;
+}
+
+PyDoc_STRVAR(decode_values_doc,
+"decode_values(signs, mags, k, d_out) -> int\n\n"
+"Sign bits + escaped u8 magnitudes -> the first k key differences in d_out (unsigned;\n"
+"its item size is the element width). 0 ok, 1 truncated, 2 trailing bytes,\n"
+"3 non-canonical or out-of-range value.");
+
+static PyObject *xg_decode_values(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_s, *o_m, *o_d;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "OOnO:decode_values", &o_s, &o_m, &k, &o_d)) return NULL;
+    xg_buf b[3];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_s, &b[0], "signs", 0, KIND_UNSIGNED, 1) < 0
+        || get_array(o_m, &b[1], "mags", 0, KIND_UNSIGNED, 1) < 0
+        || get_array(o_d, &b[2], "d_out", 1, KIND_UNSIGNED, 0) < 0)
+        goto done;
+    if (k < 0) { PyErr_SetString(PyExc_ValueError, "k must be >= 0"); goto done; }
+    if (b[0].len < ((int64_t)k + 7) / 8) { too_short("signs", b[0].len, (k + 7) / 8);
+                                           goto done; }
+    if (b[2].len < k) { too_short("d_out", b[2].len, k); goto done; }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = decode_values(b[0].view.buf, b[1].view.buf, b[1].len, k, b[2].width, b[2].view.buf);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(rc);
+done:
+    release_all(b, 3);
+    return res;
+}
+
+PyDoc_STRVAR(apply_diffs_doc,
+"apply_diffs(arr, pos, d, signbit, full, negate) -> None\n\n"
+"arr[pos] = unkey(key(arr[pos]) + d) in place (minus d when negate): arr and d are\n"
+"unsigned of one width, pos uint32 (every position < len(arr)), len(pos) == len(d).");
+
+static PyObject *xg_apply_diffs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_a, *o_p, *o_d;
+    uint64_t signbit, full;
+    int negate;
+    if (!PyArg_ParseTuple(args, "OOOO&O&p:apply_diffs", &o_a, &o_p, &o_d, u64_arg, &signbit,
+                          u64_arg, &full, &negate))
+        return NULL;
+    xg_buf b[3];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_a, &b[0], "arr", 1, KIND_UNSIGNED, 0) < 0
+        || get_array(o_p, &b[1], "pos", 0, KIND_UNSIGNED, 4) < 0
+        || get_array(o_d, &b[2], "d", 0, KIND_UNSIGNED, b[0].width) < 0
+        || check_format(b[0].width, signbit, full) < 0)
+        goto done;
+    int64_t k = b[1].len, n = b[0].len;
+    if (b[2].len != k) {
+        PyErr_Format(PyExc_ValueError, "pos has %lld entries but d has %lld", (long long)k,
+                     (long long)b[2].len);
+        goto done;
+    }
+    const uint32_t *pos = b[1].view.buf;
+    uint32_t top = 0;
+    for (int64_t j = 0; j < k; j++) top = pos[j] > top ? pos[j] : top;
+    if (k > 0 && (int64_t)top >= n) {
+        PyErr_Format(PyExc_ValueError, "position %lu is outside arr (%lld elements)",
+                     (unsigned long)top, (long long)n);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    apply_diffs(b[0].view.buf, b[0].width, pos, b[2].view.buf, k, signbit, full, negate);
+    Py_END_ALLOW_THREADS
+    res = Py_NewRef(Py_None);
+done:
+    release_all(b, 3);
+    return res;
+}
+
+PyDoc_STRVAR(simd_doc,
+"simd() -> str\n\n"
+"The path the 2-byte kernels take on this CPU: \"avx512\" or \"scalar\".");
+
+static PyObject *xg_simd(PyObject *self, PyObject *args) {
+    (void)self; (void)args;
+    return PyUnicode_FromString(use_simd && xg_simd_available() ? "avx512" : "scalar");
+}
+
+PyDoc_STRVAR(set_simd_doc,
+"set_simd(enabled) -> None\n\n"
+"Allow (the default) or forbid the SIMD paths of the 2-byte kernels (process-wide; for\n"
+"tests and benchmarks of the scalar path).");
+
+static PyObject *xg_set_simd(PyObject *self, PyObject *arg) {
+    (void)self;
+    int v = PyObject_IsTrue(arg);
+    if (v < 0) return NULL;
+    use_simd = v;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef xg_methods[] = {
+    {"scan", xg_scan, METH_VARARGS, scan_doc},
+    {"group_encode", xg_group_encode, METH_VARARGS, group_encode_doc},
+    {"decode_gaps", xg_decode_gaps, METH_VARARGS, decode_gaps_doc},
+    {"locate", xg_locate, METH_VARARGS, locate_doc},
+    {"decode_values", xg_decode_values, METH_VARARGS, decode_values_doc},
+    {"apply_diffs", xg_apply_diffs, METH_VARARGS, apply_diffs_doc},
+    {"simd", xg_simd, METH_NOARGS, simd_doc},
+    {"set_simd", xg_set_simd, METH_O, set_simd_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int xg_exec(PyObject *m) {
+    if (PyModule_AddIntConstant(m, "ESCAPE", ESCAPE) < 0
+        || PyModule_AddIntConstant(m, "RICE_KMAX", RICE_KMAX) < 0
+        || PyModule_AddIntConstant(m, "RICE_QMAX", RICE_QMAX) < 0
+        || PyModule_AddIntConstant(m, "MAX_NCLASS", MAX_NCLASS) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot xg_slots[] = {
+    {Py_mod_exec, (void *)xg_exec},
+    {0, NULL},
+};
+
+PyDoc_STRVAR(module_doc,
+"Fused single-pass kernels of the swarm-xg1 delta codec (see swarm/delta/codec.py).\n\n"
+"Buffers are 1-D C-contiguous numpy arrays of the integer types each function names;\n"
+"misuse raises TypeError/ValueError, malformed stream data returns an error code.\n"
+"The GIL is released while a kernel runs.");
+
+static struct PyModuleDef xg_module = {
+    PyModuleDef_HEAD_INIT, "_xg", module_doc, 0, xg_methods, xg_slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__xg(void) { return PyModuleDef_Init(&xg_module); }
