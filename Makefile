@@ -20,7 +20,7 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 $(BIN)/.xg-built: $(BIN)/.installed $(XG_SRC)
-	$(BIN)/python setup.py -q build_ext --inplace
+	$(BIN)/python setup.py -q build_ext --inplace --force
 	touch $@
 
 demo: $(BIN)/.xg-built
@@ -64,7 +64,7 @@ $(VBIN)/.installed: pyproject.toml
 	touch $@
 
 $(VBIN)/.xg-built: $(VBIN)/.installed $(XG_SRC)
-	$(VBIN)/python setup.py -q build_ext --inplace
+	$(VBIN)/python setup.py -q build_ext --inplace --force
 	touch $@
 
 test-vllm: $(VBIN)/.xg-built
