@@ -1,0 +1,397 @@
+"""The codec's C kernels (swarm.delta._xg): results against a numpy reference, the SIMD
+and scalar paths of 2-byte elements agree, and the wrappers refuse bad buffers cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.delta import _xg
+from swarm.delta.dtypes import BIT_FORMATS, BitFormat
+
+pytestmark = pytest.mark.timeout(120)
+
+T = TypeVar("T")
+BF16 = BIT_FORMATS["bfloat16"]
+FP16 = BIT_FORMATS["float16"]
+# lengths around the SIMD kernels' 64-element vectors and 512-element blocks, and tails
+LENGTHS = [1, 3, 4, 63, 64, 65, 511, 512, 513, 1000, 4097, 70001]
+
+
+@pytest.fixture(autouse=True)
+def _simd_back_on() -> Iterator[None]:
+    yield
+    _xg.set_simd(True)
+
+
+def _weights(fmt: BitFormat, n: int, seed: int) -> np.ndarray:
+    """Trained-weight-like bits (std 0.02: classes bunched) of a 2-byte float format."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if fmt is BF16 else torch.float16
+    t = (torch.randn(n, generator=g) * 0.02).to(dtype)
+    return t.view(torch.uint16).numpy().copy()
+
+
+def _changed(old: np.ndarray, density: float, seed: int) -> np.ndarray:
+    """``old`` with a ``density`` fraction of elements moved (mostly by 1 ULP, some far)."""
+    rng = np.random.default_rng(seed)
+    new = old.copy()
+    mask = rng.random(old.shape[0]) < density
+    step = rng.choice(np.array([1, 1, 1, 2, -1, 300], np.int64), int(mask.sum()))
+    new[mask] = (new[mask].astype(np.int64) + step).astype(new.dtype)
+    far = rng.random(old.shape[0]) < density / 20
+    new[far] = rng.integers(0, 1 << 16, int(far.sum())).astype(new.dtype)
+    return new
+
+
+def _key(b: np.ndarray, fmt: BitFormat) -> np.ndarray:
+    x = b.astype(np.uint64)
+    sb, full = np.uint64(int(fmt.signbit)), np.uint64(int(fmt.full))
+    if int(sb) == 0:
+        return x
+    return np.where((x & sb) != 0, full ^ x, x | sb)
+
+
+def _reference_scan(old: np.ndarray, new: np.ndarray, fmt: BitFormat
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(class, rank within the class, key difference) of each change, in element order."""
+    cls = (old.astype(np.int64) >> fmt.shift) & fmt.emask
+    order = np.argsort(cls, kind="stable")
+    sorted_cls = cls[order]
+    starts = np.searchsorted(sorted_cls, sorted_cls, side="left")
+    rank = np.empty_like(cls)
+    rank[order] = np.arange(cls.shape[0]) - starts
+    idx = np.flatnonzero(old != new)
+    d = (_key(new[idx], fmt) - _key(old[idx], fmt)) & np.uint64(int(fmt.full))
+    return cls[idx], rank[idx], d
+
+
+def _scan(old: np.ndarray, new: np.ndarray, fmt: BitFormat, cap: int | None = None
+          ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    cap = old.shape[0] if cap is None else cap
+    cls = np.empty(cap, np.uint16)
+    rank = np.empty(cap, np.uint32)
+    d = np.empty(cap, fmt.uint)
+    k = _xg.scan(old, new, fmt.shift, fmt.emask, int(fmt.signbit), int(fmt.full), cls, rank,
+                 d)
+    n = max(k, 0)
+    return k, cls[:n].copy(), rank[:n].copy(), d[:n].copy()
+
+
+def _locate(old: np.ndarray, fmt: BitFormat, cls: np.ndarray, rank: np.ndarray
+            ) -> tuple[int, np.ndarray]:
+    """Element positions of changes given by (class, rank), grouped by class."""
+    nclass = fmt.nclass
+    counts = np.bincount(cls.astype(np.int64), minlength=nclass)
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    order = np.argsort(cls, kind="stable")
+    gaps = np.empty(cls.shape[0], np.int64)
+    for e in np.flatnonzero(counts):
+        r = rank[order[starts[e]:ends[e]]].astype(np.int64)
+        gaps[starts[e]:ends[e]] = np.diff(r, prepend=-1) - 1
+    pos = np.empty(cls.shape[0], np.uint32)
+    err = _xg.locate(old, fmt.shift, fmt.emask, starts.astype(np.int64),
+                     ends.astype(np.int64), gaps, pos)
+    return err, pos
+
+
+def _both_paths(fn: Callable[[], T]) -> tuple[T, T]:
+    """fn() with the SIMD path allowed (whatever this CPU runs) and with scalar forced."""
+    _xg.set_simd(True)
+    fast = fn()
+    _xg.set_simd(False)
+    assert _xg.simd() == "scalar"
+    slow = fn()
+    _xg.set_simd(True)
+    return fast, slow
+
+
+def _assert_same(a: tuple[object, ...], b: tuple[object, ...]) -> None:
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray)
+            np.testing.assert_array_equal(x, y)
+        else:
+            assert x == y
+
+
+def test_simd_reports_a_known_path() -> None:
+    assert _xg.simd() in ("avx512", "scalar")
+    _xg.set_simd(False)
+    assert _xg.simd() == "scalar"
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("density", [0.0, 0.012, 0.3, 1.0])
+def test_scan_and_locate_match_reference_on_both_paths(fmt: BitFormat, n: int,
+                                                       density: float) -> None:
+    old = _weights(fmt, n, seed=n)
+    new = _changed(old, density, seed=n + 1)
+    if density == 1.0:
+        new = old ^ np.uint16(1)  # every element changes
+    ref_cls, ref_rank, ref_d = _reference_scan(old, new, fmt)
+    fast, slow = _both_paths(lambda: _scan(old, new, fmt))
+    _assert_same(fast, slow)
+    k, cls, rank, d = fast
+    assert k == ref_cls.shape[0]
+    np.testing.assert_array_equal(cls, ref_cls)
+    np.testing.assert_array_equal(rank, ref_rank)
+    np.testing.assert_array_equal(d.astype(np.uint64), ref_d)
+    if k == 0:
+        return
+    lf, ls = _both_paths(lambda: _locate(old, fmt, cls, rank))
+    _assert_same(lf, ls)
+    err, pos = lf
+    assert err == 0
+    order = np.argsort(cls, kind="stable")
+    np.testing.assert_array_equal(np.sort(pos), np.flatnonzero(old != new))
+    np.testing.assert_array_equal(pos, np.flatnonzero(old != new)[order])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), fp16=st.booleans(), n=st.integers(1, 3000))
+def test_random_bits_agree_on_both_paths(data: st.DataObject, fp16: bool, n: int) -> None:
+    """Arbitrary bit patterns (classes spread over the whole range, NaNs, -0.0)."""
+    fmt = FP16 if fp16 else BF16
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 1 << 16, n).astype(np.uint16)
+    density = data.draw(st.sampled_from([0.0, 0.01, 0.5, 1.0]))
+    new = old.copy()
+    mask = rng.random(n) < density
+    new[mask] = rng.integers(0, 1 << 16, int(mask.sum())).astype(np.uint16)
+    fast, slow = _both_paths(lambda: _scan(old, new, fmt))
+    _assert_same(fast, slow)
+    ref_cls, ref_rank, _ = _reference_scan(old, new, fmt)
+    np.testing.assert_array_equal(fast[1], ref_cls)
+    np.testing.assert_array_equal(fast[2], ref_rank)
+    if fast[0] > 0:
+        lf, ls = _both_paths(lambda: _locate(old, fmt, fast[1], fast[2]))
+        _assert_same(lf, ls)
+        assert lf[0] == 0
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
+def test_scan_reports_overflow_on_both_paths(fmt: BitFormat) -> None:
+    old = _weights(fmt, 5000, seed=3)
+    new = _changed(old, 0.3, seed=4)
+    fast, slow = _both_paths(lambda: _scan(old, new, fmt, cap=100)[0])
+    assert fast == slow == -1
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
+def test_locate_past_the_population_is_code_1_on_both_paths(fmt: BitFormat) -> None:
+    old = _weights(fmt, 700, seed=5)
+    e = int((int(old[0]) >> fmt.shift) & fmt.emask)
+    population = int(np.count_nonzero(((old.astype(np.int64) >> fmt.shift) & fmt.emask) == e))
+    starts = np.zeros(fmt.nclass, np.int64)
+    ends = np.zeros(fmt.nclass, np.int64)
+    ends[e:] = 1
+    starts[e + 1:] = 1
+    gaps = np.array([population], np.int64)  # rank == population: one past the last
+    fast, slow = _both_paths(
+        lambda: _xg.locate(old, fmt.shift, fmt.emask, starts, ends, gaps,
+                           np.empty(1, np.uint32)))
+    assert fast == slow == 1
+
+
+@pytest.mark.parametrize("name", ["uint8", "int16", "float32", "float64", "float8_e4m3fn"])
+def test_other_widths_match_reference(name: str) -> None:
+    fmt = BIT_FORMATS[name]
+    rng = np.random.default_rng(11)
+    old = rng.integers(0, 1 << 62, 3001, dtype=np.uint64).astype(fmt.uint)
+    new = old.copy()
+    new[::7] = rng.integers(0, 1 << 62, new[::7].shape[0], dtype=np.uint64).astype(fmt.uint)
+    k, cls, rank, d = _scan(old, new, fmt)
+    ref_cls, ref_rank, ref_d = _reference_scan(old, new, fmt)
+    assert k == ref_cls.shape[0]
+    np.testing.assert_array_equal(cls, ref_cls)
+    np.testing.assert_array_equal(rank, ref_rank)
+    np.testing.assert_array_equal(d.astype(np.uint64), ref_d)
+    err, pos = _locate(old, fmt, cls, rank)
+    assert err == 0
+    np.testing.assert_array_equal(np.sort(pos), np.flatnonzero(old != new))
+    arr = old.copy()
+    _xg.apply_diffs(arr, np.flatnonzero(old != new).astype(np.uint32), d, int(fmt.signbit),
+                    int(fmt.full), False)
+    np.testing.assert_array_equal(arr, new)
+    _xg.apply_diffs(arr, np.flatnonzero(old != new).astype(np.uint32), d, int(fmt.signbit),
+                    int(fmt.full), True)
+    np.testing.assert_array_equal(arr, old)
+
+
+# -- the wrappers refuse bad buffers -------------------------------------------------------
+
+
+def _scan_args(n: int = 16, cap: int = 16) -> list[object]:
+    old = np.zeros(n, np.uint16)
+    return [old, old.copy(), BF16.shift, BF16.emask, int(BF16.signbit), int(BF16.full),
+            np.empty(cap, np.uint16), np.empty(cap, np.uint32), np.empty(cap, np.uint16)]
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.parametrize(("index", "value", "message"), [
+    (0, [0, 1, 2], "old must be a buffer"),
+    (0, np.zeros(16, np.float16), "old must be a 1-D array of uint"),
+    (0, np.zeros(16, np.int16), "old must be a 1-D array of uint"),
+    (0, np.zeros((4, 4), np.uint16), "1-D"),
+    (0, np.zeros(32, np.uint16)[::2], "C-contiguous"),
+    (1, np.zeros(16, np.uint32), "new must be a 1-D array of uint16"),
+    (6, np.empty(16, np.uint32), "cls_out must be a 1-D array of uint16"),
+    (6, _readonly(np.empty(16, np.uint16)), "writable"),
+    (7, _readonly(np.empty(16, np.uint32)), "writable"),
+    (8, _readonly(np.empty(16, np.uint16)), "writable"),
+    (8, b"\0" * 32, "writable"),
+])
+def test_scan_refuses_wrong_buffers(index: int, value: object, message: str) -> None:
+    args = _scan_args()
+    args[index] = value
+    with pytest.raises(TypeError, match=message):
+        _xg.scan(*args)
+
+
+@pytest.mark.parametrize(("index", "value", "message"), [
+    (1, np.zeros(15, np.uint16), "old has 16 elements but new has 15"),
+    (7, np.empty(15, np.uint32), "rank_out has 15 elements"),
+    (8, np.empty(3, np.uint16), "d_out has 3 elements"),
+    (2, 16, "shift 16 outside"),
+    (3, 2048, "emask 2048 outside"),
+    (4, 0x4000, "signbit must be 0 or 2\\*\\*15"),
+    (5, 0xFFFFFF, "full must be 2\\*\\*16 - 1"),
+    (5, -1, "integer in \\[0, 2\\*\\*64\\)"),
+])
+def test_scan_refuses_wrong_sizes_and_fields(index: int, value: object, message: str) -> None:
+    args = _scan_args()
+    args[index] = value
+    with pytest.raises(ValueError, match=message):
+        _xg.scan(*args)
+
+
+def _encode_args(k: int = 3) -> list[object]:
+    return [np.array([1, 1, 2], np.uint16), np.array([0, 5, 0], np.uint32),
+            np.array([1, 2, 3], np.uint16), k, 256, np.zeros(256, np.int64),
+            np.zeros(256, np.int64), np.empty(7 * k, np.uint8), np.zeros(1, np.uint8),
+            np.empty(3 * k, np.uint8)]
+
+
+def test_group_encode_writes_within_its_buffers() -> None:
+    g, m = _xg.group_encode(*_encode_args())
+    assert 0 < g <= 21 and m == 3
+
+
+@pytest.mark.parametrize(("index", "value", "message"), [
+    (0, np.array([1, 300, 2], np.uint16), "class outside"),
+    (1, np.array([5, 0, 0], np.uint32), "rank not increasing"),
+    (3, 4, "cls has 3 elements, needs at least 4"),
+    (4, 0, "nclass 0 outside"),
+    (5, np.zeros(10, np.int64), "ccount has 10 elements"),
+    (7, np.empty(20, np.uint8), "gaps_out has 20 elements, needs at least 21"),
+    (9, np.empty(8, np.uint8), "mags_out has 8 elements"),
+])
+def test_group_encode_refuses_bad_input(index: int, value: object, message: str) -> None:
+    args = _encode_args()
+    args[index] = value
+    with pytest.raises(ValueError, match=message):
+        _xg.group_encode(*args)
+
+
+def test_group_encode_refuses_read_only_output() -> None:
+    args = _encode_args()
+    args[8] = bytes(1)
+    with pytest.raises(TypeError, match="signs_out must be a C-contiguous, writable buffer"):
+        _xg.group_encode(*args)
+
+
+def test_decode_gaps_refuses_bad_tables_and_codes_bad_streams() -> None:
+    one = np.array([1], np.int64)
+    out = np.empty(1, np.int64)
+    with pytest.raises(ValueError, match="kparams must lie in"):
+        _xg.decode_gaps(one, np.array([25], np.int64), b"\x00", out, 10)
+    with pytest.raises(ValueError, match="sum to at most"):
+        _xg.decode_gaps(np.array([2], np.int64), one * 0, b"\x00", out, 10)
+    with pytest.raises(ValueError, match="differ in length"):
+        _xg.decode_gaps(one, np.zeros(2, np.int64), b"\x00", out, 10)
+    with pytest.raises(TypeError, match="gaps_out must be a 1-D array of int64"):
+        _xg.decode_gaps(one, one * 0, b"\x00", np.empty(1, np.uint64), 10)
+    k0 = np.zeros(1, np.int64)
+    assert _xg.decode_gaps(one, k0, b"\x00", out, 10) == 0 and out[0] == 0  # code "0"
+    assert _xg.decode_gaps(one, k0, b"", out, 10) == 1  # truncated
+    assert _xg.decode_gaps(one, k0, b"\x00\x00", out, 10) == 2  # trailing byte
+    assert _xg.decode_gaps(one, k0, b"\x02", out, 10) == 2  # trailing bits
+    assert _xg.decode_gaps(one, k0, b"\x01", out, 1) == 4  # gap 1 in a 1-element segment
+    escape = ((1 << 24) - 1) | (3 << 24)  # an escaped gap that fits the short code
+    assert _xg.decode_gaps(one, k0, escape.to_bytes(7, "little"), out, 1 << 20) == 3
+
+
+def test_decode_values_refuses_short_buffers_and_codes_bad_streams() -> None:
+    d = np.empty(2, np.uint16)
+    with pytest.raises(ValueError, match="d_out has 2 elements"):
+        _xg.decode_values(b"\x00", b"\x00\x00\x00", 3, d)
+    with pytest.raises(ValueError, match="signs has 0 elements"):
+        _xg.decode_values(b"", b"\x00", 1, d)
+    with pytest.raises(TypeError, match="d_out must be a C-contiguous, writable buffer"):
+        _xg.decode_values(b"\x00", b"\x00", 1, _readonly(d))
+    assert _xg.decode_values(b"\x02", b"\x00\x04", 2, d) == 0
+    assert d.tolist() == [1, 0xFFFB]
+    assert _xg.decode_values(b"\x00", b"\x00", 2, d) == 1  # truncated
+    assert _xg.decode_values(b"\x00", b"\x00\x00", 1, d) == 2  # trailing byte
+    assert _xg.decode_values(b"\x00", b"\xff\x01\x00", 1, d) == 3  # non-canonical escape
+    assert _xg.decode_values(b"\x02", b"\x00", 1, d) == 3  # sign bit past the last change
+
+
+def test_locate_refuses_class_ranges_outside_its_buffers() -> None:
+    old = np.zeros(8, np.uint16)
+    starts = np.zeros(256, np.int64)
+    ends = np.zeros(256, np.int64)
+    ends[0] = 2
+    with pytest.raises(ValueError, match="class 0"):
+        _xg.locate(old, 7, 255, starts, ends, np.zeros(1, np.int64), np.empty(2, np.uint32))
+    with pytest.raises(ValueError, match="class 0"):
+        _xg.locate(old, 7, 255, starts, ends, np.zeros(2, np.int64), np.empty(1, np.uint32))
+    with pytest.raises(ValueError, match="emask \\+ 1 = 256"):
+        _xg.locate(old, 7, 255, starts[:10], ends, np.zeros(2, np.int64),
+                   np.empty(2, np.uint32))
+    with pytest.raises(TypeError, match="pos_out must be a C-contiguous, writable"):
+        _xg.locate(old, 7, 255, starts, ends, np.zeros(2, np.int64),
+                   _readonly(np.empty(2, np.uint32)))
+
+
+def test_apply_diffs_refuses_out_of_range_positions_before_writing() -> None:
+    arr = np.arange(10, dtype=np.uint16)
+    before = arr.copy()
+    with pytest.raises(ValueError, match="position 10 is outside arr"):
+        _xg.apply_diffs(arr, np.array([0, 10], np.uint32), np.ones(2, np.uint16), 0x8000,
+                        0xFFFF, False)
+    np.testing.assert_array_equal(arr, before)
+    with pytest.raises(ValueError, match="pos has 1 entries but d has 2"):
+        _xg.apply_diffs(arr, np.array([0], np.uint32), np.ones(2, np.uint16), 0x8000, 0xFFFF,
+                        False)
+    with pytest.raises(TypeError, match="arr must be a C-contiguous, writable"):
+        _xg.apply_diffs(_readonly(arr), np.array([0], np.uint32), np.ones(1, np.uint16),
+                        0x8000, 0xFFFF, False)
+    with pytest.raises(TypeError, match="d must be a 1-D array of uint16"):
+        _xg.apply_diffs(arr, np.array([0], np.uint32), np.ones(1, np.uint32), 0x8000, 0xFFFF,
+                        False)
+
+
+def test_import_swarm_loads_neither_the_extension_nor_torch() -> None:
+    code = ("import sys, swarm; bad = [m for m in ('swarm.delta._xg', 'torch', 'numpy') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
