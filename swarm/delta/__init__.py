@@ -1,6 +1,7 @@
 """Bit-exact sparse deltas of model states: extraction, codec, patch, revert, state roots.
 
-Importing this package imports torch, numpy and numba; ``import swarm`` does not.
+Importing this package imports torch, numpy and the codec's C extension
+(``swarm.delta._xg``); ``import swarm`` does not.
 """
 
 from swarm.delta.codec import (

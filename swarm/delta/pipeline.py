@@ -2,10 +2,10 @@
 
 The state is walked in *buckets* (about ``bucket_bytes`` of model each). At most two
 buckets are in flight at once (one being consumed, one being encoded), so temporaries stay
-bounded; each bucket's segments are encoded in parallel by worker threads (the numba
-kernels and zstd release the GIL), then packed in state order into chunks of about
-``chunk_target`` bytes, hashed and handed to the consumer as soon as they are full: the
-first chunk is ready long before the last tensor is scanned.
+bounded; each bucket's segments are encoded in parallel by worker threads (the C kernels
+of ``swarm.delta._xg`` and zstd release the GIL), then packed in state order into chunks of
+about ``chunk_target`` bytes, hashed and handed to the consumer as soon as they are full:
+the first chunk is ready long before the last tensor is scanned.
 """
 
 from __future__ import annotations
