@@ -11,16 +11,17 @@
 /* Result of a fast path that does not run on this CPU or input (the caller falls back). */
 #define XG_UNSUPPORTED (-2)
 
-/* Order-preserving key of a sign-magnitude float's bits (integers: signbit == 0). */
+/* Order-preserving key of a sign-magnitude float's bits (integers: signbit == 0): negative
+ * values have every bit flipped, others the sign bit set. Branch-free: signs of changed
+ * weights are random, and a mispredicted branch costs more than the whole key. */
 static inline uint64_t xg_key(uint64_t b, uint64_t signbit, uint64_t full) {
-    if (signbit != 0 && (b & signbit) != 0) return full ^ b;
-    return b | signbit;
+    uint64_t neg = (uint64_t)0 - (uint64_t)((b & signbit) != 0);
+    return b ^ (signbit | (neg & full));
 }
 
 static inline uint64_t xg_unkey(uint64_t k, uint64_t signbit, uint64_t full) {
-    if (signbit == 0) return k;
-    if ((k & signbit) != 0) return k ^ signbit;
-    return full ^ k;
+    uint64_t pos = (uint64_t)0 - (uint64_t)((k & signbit) != 0);
+    return k ^ (signbit == 0 ? 0 : (signbit | (~pos & full)));
 }
 
 /* 1 when the SIMD paths below run on this CPU (x86-64 with AVX-512 F/BW and BMI2). */
