@@ -151,20 +151,28 @@ static int64_t scan_u16(const uint16_t *restrict old, const uint16_t *restrict n
 }
 #endif
 
-/* Rice parameter of one class: the cheapest of five around log2 of the mean gap. */
-static int rice_param(const int64_t *gapv, int64_t c) {
+/* Rice parameter of one class: the cheapest of five around log2 of the mean gap. Gaps
+ * are < 2**32 (ranks are uint32 and increase within a class). */
+static int rice_param(const uint32_t *gapv, int64_t c) {
     int64_t total = 0, cost[RICE_KMAX + 1];
     for (int64_t p = 0; p < c; p++) total += gapv[p];
     int k0 = 0;
     while (k0 < RICE_KMAX && (c << (k0 + 1)) <= total) k0++;
     int lo = k0 - 2 < 0 ? 0 : k0 - 2, hi = k0 + 2 > RICE_KMAX ? RICE_KMAX : k0 + 2;
-    for (int kk = lo; kk <= hi; kk++) cost[kk] = 0;
-    for (int64_t p = 0; p < c; p++) {
-        int64_t g = gapv[p];
-        for (int kk = lo; kk <= hi; kk++) {
-            int64_t q = g >> kk;
-            cost[kk] += q < RICE_QMAX ? 1 + kk + q : RICE_QMAX + 32;
+    for (int kk = lo; kk <= hi; kk++) {
+        /* 32-bit partial sums over blocks of 2**20 gaps (a code is at most 56 bits), so
+         * that the loop vectorizes */
+        int64_t sum = 0;
+        for (int64_t b0 = 0; b0 < c; b0 += (int64_t)1 << 20) {
+            int64_t b1 = c - b0 < ((int64_t)1 << 20) ? c : b0 + ((int64_t)1 << 20);
+            uint32_t part = 0;
+            for (int64_t p = b0; p < b1; p++) {
+                uint32_t q = gapv[p] >> kk;
+                part += q < RICE_QMAX ? 1 + (uint32_t)kk + q : RICE_QMAX + 32;
+            }
+            sum += part;
         }
+        cost[kk] = sum;
     }
     int best = lo;
     for (int kk = lo + 1; kk <= hi; kk++)
@@ -172,57 +180,55 @@ static int rice_param(const int64_t *gapv, int64_t c) {
     return best;
 }
 
-/* Group changes by class; Rice-coded rank gaps, sign bits and escaped u8 magnitudes.
- * ``ccount``/``kparam`` (nclass long) are overwritten; ``signs`` ((k + 7) / 8 bytes) is
- * zeroed here. The caller checked classes < nclass and ranks increasing within a class.
- * Returns 0, or -1 when out of memory. */
-static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d, int width,
-                        int64_t k, int64_t nclass, int64_t *ccount, int64_t *kparam,
-                        uint8_t *gaps_out, uint8_t *signs_out, uint8_t *mags_out,
-                        int64_t *g_bytes, int64_t *m_bytes) {
-    const uint64_t full = width == 8 ? UINT64_MAX : (((uint64_t)1 << (8 * width)) - 1);
-    const uint64_t half = (uint64_t)1 << (8 * width - 1);
-    int64_t *off = malloc(sizeof(int64_t) * (size_t)(2 * nclass));
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)(k > 0 ? k : 1));
-    int64_t *gapv = malloc(sizeof(int64_t) * (size_t)(k > 0 ? k : 1));
-    if (off == NULL || order == NULL || gapv == NULL) {
-        free(off); free(order); free(gapv);
-        return -1;
+/* Sign bits and escaped u8 magnitudes of the key differences ``d[order[p]]``; returns the
+ * magnitude bytes written. */
+#define XG_DEFINE_VALUES(NAME, T, W)                                                       \
+    static int64_t NAME(const T *restrict d, const uint32_t *restrict order, int64_t k,    \
+                        uint8_t *restrict signs_out, uint8_t *restrict mags_out) {         \
+        const T half = (T)((T)1 << (8 * W - 1));                                           \
+        int64_t m = 0;                                                                     \
+        unsigned sbyte = 0;                                                                \
+        for (int64_t p = 0; p < k; p++) {                                                  \
+            T dd = d[order[p]];                                                            \
+            unsigned neg = (dd & half) != 0;                                               \
+            T mag = neg ? (T)(-dd) : dd;                                                   \
+            T mm = (T)(mag - 1);                                                           \
+            sbyte |= neg << (p & 7);                                                       \
+            if ((p & 7) == 7) {                                                            \
+                signs_out[p >> 3] = (uint8_t)sbyte;                                        \
+                sbyte = 0;                                                                 \
+            }                                                                              \
+            if (mm < ESCAPE) {                                                             \
+                mags_out[m++] = (uint8_t)mm;                                               \
+            } else {                                                                       \
+                mags_out[m] = ESCAPE;                                                      \
+                for (int t = 0; t < W; t++)                                                \
+                    mags_out[m + 1 + t] = (uint8_t)((uint64_t)mm >> (8 * t));              \
+                m += 1 + W;                                                                \
+            }                                                                              \
+        }                                                                                  \
+        if (k & 7) signs_out[k >> 3] = (uint8_t)sbyte;                                     \
+        return m;                                                                          \
     }
-    int64_t *last = off + nclass;
-    memset(ccount, 0, sizeof(int64_t) * (size_t)nclass);
-    memset(kparam, 0, sizeof(int64_t) * (size_t)nclass);
-    memset(signs_out, 0, (size_t)((k + 7) / 8));
-    for (int64_t j = 0; j < k; j++) ccount[cls[j]]++;
-    int64_t s = 0;
-    for (int64_t e = 0; e < nclass; e++) {
-        off[e] = s;
-        s += ccount[e];
-        last[e] = -1;
-    }
-    for (int64_t j = 0; j < k; j++) {
-        int64_t e = cls[j], r = rank[j];
-        order[off[e]] = j;
-        gapv[off[e]] = r - last[e] - 1;
-        last[e] = r;
-        off[e]++;
-    }
-    int64_t p0 = 0;
-    for (int64_t e = 0; e < nclass; e++) {
-        if (ccount[e] == 0) continue;
-        kparam[e] = rice_param(gapv + p0, ccount[e]);
-        p0 += ccount[e];
-    }
+
+XG_DEFINE_VALUES(values_u8, uint8_t, 1)
+XG_DEFINE_VALUES(values_u16, uint16_t, 2)
+XG_DEFINE_VALUES(values_u32, uint32_t, 4)
+XG_DEFINE_VALUES(values_u64, uint64_t, 8)
+
+/* Rice codes of ``gapv`` (grouped by class, ``kparam`` per class) into ``out`` (at least
+ * ``cap`` >= (56 * k + 7) / 8 bytes); returns the bytes written. */
+static int64_t rice_write(const uint32_t *gapv, const int64_t *ccount, const int64_t *kparam,
+                          int64_t nclass, uint8_t *out, int64_t cap) {
     uint64_t acc = 0;
     unsigned used = 0;
-    int64_t pos = 0, m = 0;
-    p0 = 0;
+    int64_t pos = 0, p = 0;
     for (int64_t e = 0; e < nclass; e++) {
         int64_t c = ccount[e];
         if (c == 0) continue;
         unsigned kb = (unsigned)kparam[e];
         uint64_t kmask = ((uint64_t)1 << kb) - 1;
-        for (int64_t p = p0; p < p0 + c; p++) {
+        for (int64_t end = p + c; p < end; p++) {
             uint64_t g = (uint64_t)gapv[p], q = g >> kb, code;
             unsigned nbits;
             if (q < RICE_QMAX) {
@@ -232,87 +238,134 @@ static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d
                 code = (((uint64_t)1 << RICE_QMAX) - 1) | (g << RICE_QMAX);
                 nbits = RICE_QMAX + 32;
             }
-            /* acc holds < 8 pending bits; a code is at most 56 bits */
+            /* acc holds < 8 pending bits and a code is at most 56 bits: flush whole bytes */
             acc |= code << used;
             used += nbits;
-            while (used >= 8) {
-                gaps_out[pos++] = (uint8_t)acc;
-                acc >>= 8;
-                used -= 8;
+            unsigned nb = used >> 3;
+#if XG_LITTLE
+            if (pos + 8 <= cap) {
+                memcpy(out + pos, &acc, 8);
+            } else
+#endif
+            {
+                for (unsigned t = 0; t < nb; t++) out[pos + t] = (uint8_t)(acc >> (8 * t));
             }
+            pos += nb;
+            acc = nb ? acc >> (8 * nb) : acc;
+            used &= 7;
         }
-        p0 += c;
     }
-    if (used) gaps_out[pos++] = (uint8_t)acc;
-    for (int64_t p = 0; p < k; p++) {
-        uint64_t dd = load_elem(d, order[p], width), mag;
-        if (dd & half) {
-            signs_out[p >> 3] |= (uint8_t)(1u << (p & 7));
-            mag = ((full - dd) + 1) & full;
-        } else {
-            mag = dd;
-        }
-        uint64_t mm = (mag - 1) & full;
-        if (mm < ESCAPE) {
-            mags_out[m++] = (uint8_t)mm;
-        } else {
-            mags_out[m] = ESCAPE;
-            for (int t = 0; t < width; t++) mags_out[m + 1 + t] = (uint8_t)(mm >> (8 * t));
-            m += 1 + width;
-        }
+    if (used) out[pos++] = (uint8_t)acc;
+    return pos;
+}
+
+/* Group changes by class; Rice-coded rank gaps, sign bits and escaped u8 magnitudes.
+ * ``ccount``/``kparam`` (nclass long) are overwritten. The caller checked classes < nclass,
+ * ranks increasing within a class and the output sizes. Returns 0, or -1 when out of
+ * memory. */
+static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d, int width,
+                        int64_t k, int64_t nclass, int64_t *ccount, int64_t *kparam,
+                        uint8_t *gaps_out, int64_t gaps_cap, uint8_t *signs_out,
+                        uint8_t *mags_out, int64_t *g_bytes, int64_t *m_bytes) {
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(2 * nclass));
+    uint32_t *order = malloc(sizeof(uint32_t) * (size_t)(k > 0 ? k : 1));
+    uint32_t *gapv = malloc(sizeof(uint32_t) * (size_t)(k > 0 ? k : 1));
+    if (off == NULL || order == NULL || gapv == NULL) {
+        free(off); free(order); free(gapv);
+        return -1;
+    }
+    int64_t *last = off + nclass;
+    memset(ccount, 0, sizeof(int64_t) * (size_t)nclass);
+    memset(kparam, 0, sizeof(int64_t) * (size_t)nclass);
+    for (int64_t j = 0; j < k; j++) ccount[cls[j]]++;
+    int64_t s = 0;
+    for (int64_t e = 0; e < nclass; e++) {
+        off[e] = s;
+        s += ccount[e];
+        last[e] = -1;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        int64_t e = cls[j], r = rank[j], o = off[e]++;
+        order[o] = (uint32_t)j;
+        gapv[o] = (uint32_t)(r - last[e] - 1);
+        last[e] = r;
+    }
+    int64_t p0 = 0;
+    for (int64_t e = 0; e < nclass; e++) {
+        if (ccount[e] == 0) continue;
+        kparam[e] = rice_param(gapv + p0, ccount[e]);
+        p0 += ccount[e];
+    }
+    *g_bytes = rice_write(gapv, ccount, kparam, nclass, gaps_out, gaps_cap);
+    switch (width) {
+    case 1: *m_bytes = values_u8(d, order, k, signs_out, mags_out); break;
+    case 2: *m_bytes = values_u16(d, order, k, signs_out, mags_out); break;
+    case 4: *m_bytes = values_u32(d, order, k, signs_out, mags_out); break;
+    default: *m_bytes = values_u64(d, order, k, signs_out, mags_out); break;
     }
     free(off); free(order); free(gapv);
-    *g_bytes = pos;
-    *m_bytes = m;
     return 0;
 }
 
-/* 64 bits of the byte stream from bit ``b`` (LSB first), zero past the end; at least 57
- * of them are stream bits (or the zeros after it). */
-static inline uint64_t peek_bits(const uint8_t *s, int64_t nbytes, int64_t b) {
-    int64_t q = b >> 3;
-    uint64_t w = 0;
-    if (q + 8 <= nbytes) {
-        memcpy(&w, s + q, 8);
+static inline uint64_t load_le64(const uint8_t *s) {
+    uint64_t w;
+    memcpy(&w, s, 8);
 #if !XG_LITTLE
-        w = __builtin_bswap64(w);
+    w = __builtin_bswap64(w);
 #endif
-    } else {
-        for (int64_t t = q; t < nbytes; t++) w |= (uint64_t)s[t] << (8 * (t - q));
-    }
-    return w >> (b & 7);
+    return w;
 }
 
 /* Rice-coded rank gaps, grouped by class. 0 ok, 1 truncated, 2 trailing bytes or bits,
- * 3 non-canonical escape, 4 rank past the segment. */
+ * 3 non-canonical escape, 4 rank past the segment, -1 out of memory.
+ *
+ * Codes are read from a 64-bit register of the stream (a zero-padded copy, so past its end
+ * it reads zeros), refilled when it holds fewer bits than the next code needs. */
 static int decode_gaps(const int64_t *ccounts, const int64_t *kparams, int64_t nc,
                        const uint8_t *gaps, int64_t nbytes, int64_t *gaps_out, int64_t limit) {
+    uint8_t *buf = malloc((size_t)nbytes + 16);
+    if (buf == NULL) return -1;
+    if (nbytes > 0) memcpy(buf, gaps, (size_t)nbytes);
+    memset(buf + nbytes, 0, 16);
     const int64_t nbits = nbytes * 8;
     const uint64_t cap = (uint64_t)1 << RICE_QMAX;
     int64_t b = 0, p = 0;
-    for (int64_t ci = 0; ci < nc; ci++) {
+    uint64_t x = 0;
+    int64_t avail = 0; /* bits of x that are stream bits (from bit b on) */
+    int rc = 0;
+    for (int64_t ci = 0; ci < nc && rc == 0; ci++) {
         int64_t kk = kparams[ci];
         uint64_t kmask = ((uint64_t)1 << kk) - 1;
         int64_t last = -1;
         for (int64_t j = 0; j < ccounts[ci]; j++) {
-            if (b >= nbits) return 1;
-            uint64_t x = peek_bits(gaps, nbytes, b);
-            int64_t q = __builtin_ctzll(~x | cap), v;
-            if (q < RICE_QMAX) {
-                if (b + q + 1 + kk > nbits) return 1;
-                v = (q << kk) | (int64_t)((x >> (q + 1)) & kmask);
-                b += q + 1 + kk;
-            } else {
-                if (b + RICE_QMAX + 32 > nbits) return 1;
-                v = (int64_t)((x >> RICE_QMAX) & 0xFFFFFFFFu);
-                b += RICE_QMAX + 32;
-                if ((v >> kk) < RICE_QMAX) return 3;
+            if (b >= nbits) { rc = 1; break; }
+            if (avail <= RICE_QMAX) { /* the quotient needs RICE_QMAX + 1 bits */
+                x = load_le64(buf + (b >> 3)) >> (b & 7);
+                avail = 64 - (b & 7);
             }
+            int64_t q = __builtin_ctzll(~x | cap), len, v;
+            len = q < RICE_QMAX ? q + 1 + kk : RICE_QMAX + 32;
+            if (len > avail) {
+                x = load_le64(buf + (b >> 3)) >> (b & 7);
+                avail = 64 - (b & 7);
+            }
+            if (b + len > nbits) { rc = 1; break; }
+            if (q < RICE_QMAX) {
+                v = (q << kk) | (int64_t)((x >> (q + 1)) & kmask);
+            } else {
+                v = (int64_t)((x >> RICE_QMAX) & 0xFFFFFFFFu);
+                if ((v >> kk) < RICE_QMAX) { rc = 3; break; }
+            }
+            x >>= len;
+            avail -= len;
+            b += len;
             last = last + 1 + v;
-            if (last >= limit) return 4;
+            if (last >= limit) { rc = 4; break; }
             gaps_out[p++] = v;
         }
     }
+    free(buf);
+    if (rc != 0) return rc;
     if ((b + 7) / 8 != nbytes) return 2;
     if (b < nbits && (gaps[nbytes - 1] >> (b & 7)) != 0) return 2;
     return 0;
@@ -362,34 +415,67 @@ static int locate(const void *old, int width, int64_t n, unsigned shift, uint64_
 }
 
 /* Sign bits + escaped u8 magnitudes -> key differences. 0 ok, 1 truncated, 2 trailing
- * bytes, 3 non-canonical or out-of-range value. */
+ * bytes, 3 non-canonical or out-of-range value. For 2-byte and wider elements, eight
+ * changes without an escape byte among their magnitudes go at once (no checks needed:
+ * a magnitude below 256 is in range). */
+#define XG_DEFINE_DECODE_VALUES(NAME, T, W)                                                \
+    static int NAME(const uint8_t *restrict signs, const uint8_t *restrict mags, int64_t n, \
+                    int64_t k, T *restrict d_out) {                                        \
+        const uint64_t half = (uint64_t)1 << (8 * W - 1);                                  \
+        const uint64_t ones = 0x0101010101010101u, highs = 0x8080808080808080u;            \
+        int64_t m = 0, p = 0;                                                              \
+        while (p < k) {                                                                    \
+            if (W >= 2 && XG_LITTLE && (p & 7) == 0 && p + 8 <= k && m + 8 <= n) {         \
+                uint64_t w;                                                                \
+                memcpy(&w, mags + m, 8);                                                   \
+                if (((~w - ones) & w & highs) == 0) { /* no escape byte among the 8 */     \
+                    unsigned sb = signs[p >> 3];                                           \
+                    for (int t = 0; t < 8; t++) {                                          \
+                        T mag = (T)(((w >> (8 * t)) & 0xFF) + 1);                          \
+                        d_out[p + t] = ((sb >> t) & 1) ? (T)(0 - mag) : mag;               \
+                    }                                                                      \
+                    p += 8;                                                                \
+                    m += 8;                                                                \
+                    continue;                                                              \
+                }                                                                          \
+            }                                                                              \
+            if (m >= n) return 1;                                                          \
+            uint64_t v = mags[m++];                                                        \
+            if (v == ESCAPE) {                                                             \
+                if (m + W > n) return 1;                                                   \
+                v = 0;                                                                     \
+                for (int t = 0; t < W; t++) v |= (uint64_t)mags[m + t] << (8 * t);         \
+                m += W;                                                                    \
+                if (v < ESCAPE) return 3;                                                  \
+            }                                                                              \
+            if (v >= half) return 3;                                                       \
+            T mag = (T)(v + 1);                                                            \
+            if ((signs[p >> 3] >> (p & 7)) & 1) {                                          \
+                d_out[p] = (T)(0 - mag);                                                   \
+            } else {                                                                       \
+                if (mag == half) return 3;                                                 \
+                d_out[p] = mag;                                                            \
+            }                                                                              \
+            p++;                                                                           \
+        }                                                                                  \
+        if (m != n) return 2;                                                              \
+        if ((k & 7) != 0 && (signs[k >> 3] >> (k & 7)) != 0) return 3;                     \
+        return 0;                                                                          \
+    }
+
+XG_DEFINE_DECODE_VALUES(decode_values_u8, uint8_t, 1)
+XG_DEFINE_DECODE_VALUES(decode_values_u16, uint16_t, 2)
+XG_DEFINE_DECODE_VALUES(decode_values_u32, uint32_t, 4)
+XG_DEFINE_DECODE_VALUES(decode_values_u64, uint64_t, 8)
+
 static int decode_values(const uint8_t *signs, const uint8_t *mags, int64_t n, int64_t k,
                          int width, void *d_out) {
-    const uint64_t full = width == 8 ? UINT64_MAX : (((uint64_t)1 << (8 * width)) - 1);
-    const uint64_t half = (uint64_t)1 << (8 * width - 1);
-    int64_t m = 0;
-    for (int64_t p = 0; p < k; p++) {
-        if (m >= n) return 1;
-        uint64_t v = mags[m++];
-        if (v == ESCAPE) {
-            if (m + width > n) return 1;
-            v = 0;
-            for (int t = 0; t < width; t++) v |= (uint64_t)mags[m + t] << (8 * t);
-            m += width;
-            if (v < ESCAPE) return 3;
-        }
-        if (v >= half) return 3;
-        uint64_t mag = v + 1;
-        if ((signs[p >> 3] >> (p & 7)) & 1) {
-            store_elem(d_out, p, width, ((full - mag) + 1) & full);
-        } else {
-            if (mag == half) return 3;
-            store_elem(d_out, p, width, mag);
-        }
+    switch (width) {
+    case 1: return decode_values_u8(signs, mags, n, k, d_out);
+    case 2: return decode_values_u16(signs, mags, n, k, d_out);
+    case 4: return decode_values_u32(signs, mags, n, k, d_out);
+    default: return decode_values_u64(signs, mags, n, k, d_out);
     }
-    if (m != n) return 2;
-    if ((k & 7) != 0 && (signs[k >> 3] >> (k & 7)) != 0) return 3;
-    return 0;
 }
 
 /* arr[pos] = unkey(key(arr[pos]) +/- d) in place (positions checked by the caller). */
@@ -675,7 +761,7 @@ static PyObject *xg_group_encode(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = group_encode(cls, rank, b[2].view.buf, w, k, nclass, b[3].view.buf, b[4].view.buf,
-                      b[5].view.buf, b[6].view.buf, b[7].view.buf, &g, &m);
+                      b[5].view.buf, b[5].len, b[6].view.buf, b[7].view.buf, &g, &m);
     Py_END_ALLOW_THREADS
     if (rc < 0) { PyErr_NoMemory(); goto done; }
     res = Py_BuildValue("(LL)", (long long)g, (long long)m);
@@ -727,6 +813,7 @@ static PyObject *xg_decode_gaps(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     rc = decode_gaps(cc, kp, nc, b[2].view.buf, b[2].len, b[3].view.buf, (int64_t)limit);
     Py_END_ALLOW_THREADS
+    if (rc < 0) { PyErr_NoMemory(); goto done; }
     res = PyLong_FromLong(rc);
 done:
     release_all(b, 4);
