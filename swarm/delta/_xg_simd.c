@@ -25,8 +25,6 @@
 #endif
 
 #define WIN 16
-#define SB_VECS 8
-#define SB_ELEMS (64 * SB_VECS)
 #define MAX_CLASSES 256 /* 2-byte formats have emask <= 0xFF */
 #define SAMPLES 4096
 
@@ -36,6 +34,8 @@ int xg_simd_available(void) {
     if (cached < 0) {
         __builtin_cpu_init();
         cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") &&
+                 __builtin_cpu_supports("gfni") && __builtin_cpu_supports("bmi") &&
                  __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
     }
     return cached;
@@ -67,59 +67,78 @@ static unsigned choose_base(const uint16_t *old, int64_t n, unsigned shift, unsi
     return base;
 }
 
-#define XG_TARGET __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+#define XG_TARGET \
+    __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bitalg,gfni,bmi,bmi2,popcnt")))
 
-/* One superblock of SB_ELEMS elements: class bytes to ``cls``, outlier masks to ``out``,
- * change masks to ``chg`` (when ``nw`` is not NULL) and per-window-class counts to
- * ``cnt``. */
-XG_TARGET static inline __attribute__((always_inline)) void
-superblock(const uint16_t *o, const uint16_t *nw, __m128i shiftv, __m512i emaskv,
-           __m512i basev, uint8_t *cls, uint64_t *chg, uint64_t *out, uint32_t *cnt) {
-    __m512i acc[WIN];
-    for (int w = 0; w < WIN; w++) acc[w] = _mm512_setzero_si512();
-    const __m512i one = _mm512_set1_epi8(1);
-    const __m512i win = _mm512_set1_epi8(WIN);
-    for (int v = 0; v < SB_VECS; v++) {
-        __m512i a = _mm512_loadu_si512(o + 64 * v);
-        __m512i b = _mm512_loadu_si512(o + 64 * v + 32);
-        if (nw != NULL) {
-            uint64_t lo = _mm512_cmpneq_epi16_mask(a, _mm512_loadu_si512(nw + 64 * v));
-            uint64_t hi = _mm512_cmpneq_epi16_mask(b, _mm512_loadu_si512(nw + 64 * v + 32));
-            chg[v] = lo | (hi << 32);
-        }
-        a = _mm512_and_si512(_mm512_srl_epi16(a, shiftv), emaskv);
-        b = _mm512_and_si512(_mm512_srl_epi16(b, shiftv), emaskv);
-        __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)),
-                                       _mm512_cvtepi16_epi8(b), 1);
-        _mm512_store_si512((void *)(cls + 64 * v), c);
-        __m512i r = _mm512_sub_epi8(c, basev);
-        out[v] = ~(uint64_t)_mm512_cmplt_epu8_mask(r, win);
-#pragma GCC unroll 16
-        for (int w = 0; w < WIN; w++)
-            acc[w] = _mm512_mask_add_epi8(acc[w], _mm512_cmpeq_epi8_mask(r, _mm512_set1_epi8((char)w)),
-                                          acc[w], one);
-    }
-    /* per class: byte sums in 8 u64 lanes (each <= 8 * SB_VECS); four classes share a
-     * vector in 16-bit fields, then one horizontal sum per four classes */
-    const __m512i z = _mm512_setzero_si512();
-    for (int q = 0; q < WIN; q += 4) {
-        __m512i t = _mm512_sad_epu8(acc[q], z);
-        t = _mm512_or_si512(t, _mm512_slli_epi64(_mm512_sad_epu8(acc[q + 1], z), 16));
-        t = _mm512_or_si512(t, _mm512_slli_epi64(_mm512_sad_epu8(acc[q + 2], z), 32));
-        t = _mm512_or_si512(t, _mm512_slli_epi64(_mm512_sad_epu8(acc[q + 3], z), 48));
-        uint64_t s = (uint64_t)_mm512_reduce_add_epi64(t);
-        cnt[q] = (uint32_t)(s & 0xFFFF);
-        cnt[q + 1] = (uint32_t)((s >> 16) & 0xFFFF);
-        cnt[q + 2] = (uint32_t)((s >> 32) & 0xFFFF);
-        cnt[q + 3] = (uint32_t)(s >> 48);
-    }
+typedef struct {
+    __m128i shift;
+    __m512i emask, base, win, lut_lo, lut_hi, bits, pack, gather;
+} consts_t;
+
+XG_TARGET static inline __attribute__((always_inline)) consts_t make_consts(unsigned shift,
+                                                                            unsigned emask,
+                                                                            unsigned base) {
+    consts_t k;
+    k.shift = _mm_cvtsi32_si128((int)shift);
+    k.emask = _mm512_set1_epi16((short)emask);
+    k.base = _mm512_set1_epi8((char)base);
+    k.win = _mm512_set1_epi8(WIN);
+    /* one-hot bytes of window classes 0..7 and 8..15 (vpshufb reads the low 4 bits) */
+    k.lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 0, 0, 0, 0,
+                                                    0, 0, 0, 0));
+    k.lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 4, 8, 16, 32,
+                                                    64, -128));
+    k.bits = _mm512_set1_epi64((long long)0x8040201008040201ULL);
+    uint8_t idx[64];
+    for (int i = 0; i < 64; i++) idx[i] = (uint8_t)(2 * i); /* low byte of each 16-bit lane */
+    k.pack = _mm512_loadu_si512(idx);
+    for (int i = 0; i < 64; i++) idx[i] = (uint8_t)(i < 8 ? i : i < 16 ? 24 + i : 0);
+    k.gather = _mm512_loadu_si512(idx); /* bytes 0..7 and 32..39 */
+    return k;
 }
 
-/* Elements of class ``c`` among the 64 class bytes at ``cls``. */
-XG_TARGET static inline __attribute__((always_inline)) uint64_t class_mask(const uint8_t *cls,
+/* One vector of 64 elements. */
+typedef struct {
+    __m512i cls;    /* class (exponent field) byte of each element */
+    uint64_t inwin; /* elements whose class is in the window */
+    __m512i cnt;    /* count of each window class (16 x i32) */
+} vec_t;
+
+/* Classes of 64 elements and the count of each of the 16 window classes: a one-hot byte
+ * per element and window half is transposed per 8 elements (gf2p8affine), so popcounts
+ * give 8 elements' counts of 8 classes at once; a short tree sums the 8 groups. */
+XG_TARGET static inline __attribute__((always_inline)) vec_t count_vector(const uint16_t *o,
+                                                                         const consts_t *k) {
+    vec_t x;
+    __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(o), k->shift), k->emask);
+    __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(o + 32), k->shift), k->emask);
+    x.cls = _mm512_permutex2var_epi8(a, k->pack, b);
+    const __m512i r = _mm512_sub_epi8(x.cls, k->base);
+    x.inwin = _mm512_cmplt_epu8_mask(r, k->win);
+    __m512i lo = _mm512_popcnt_epi8(_mm512_gf2p8affine_epi64_epi8(
+        k->bits, _mm512_maskz_shuffle_epi8(x.inwin, k->lut_lo, r), 0));
+    __m512i hi = _mm512_popcnt_epi8(_mm512_gf2p8affine_epi64_epi8(
+        k->bits, _mm512_maskz_shuffle_epi8(x.inwin, k->lut_hi, r), 0));
+    /* byte w of qword j: elements 8j..8j+7 of class w (lo) or 8 + w (hi); sum over j:
+     * lo's qwords into the low half, hi's into the high half, then within halves */
+    lo = _mm512_add_epi8(lo, _mm512_shuffle_i64x2(lo, lo, _MM_SHUFFLE(1, 0, 3, 2)));
+    hi = _mm512_add_epi8(hi, _mm512_shuffle_i64x2(hi, hi, _MM_SHUFFLE(1, 0, 3, 2)));
+    __m512i t = _mm512_mask_blend_epi64(0xF0, lo, hi);
+    t = _mm512_add_epi8(t, _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+    t = _mm512_add_epi8(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+    x.cnt = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_permutexvar_epi8(k->gather, t)));
+    return x;
+}
+
+/* Lane ``w`` of 16 x i32 (without a store: a vector store read back by a scalar load may
+ * wait for the store to retire). */
+XG_TARGET static inline __attribute__((always_inline)) int32_t lane(__m512i v, int w) {
+    return _mm_cvtsi128_si32(_mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set1_epi32(w), v)));
+}
+
+XG_TARGET static inline __attribute__((always_inline)) uint64_t class_mask(__m512i cls,
                                                                            unsigned c) {
-    return _mm512_cmpeq_epi8_mask(_mm512_load_si512((const void *)cls),
-                                  _mm512_set1_epi8((char)c));
+    return _mm512_cmpeq_epi8_mask(cls, _mm512_set1_epi8((char)c));
 }
 
 XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t n,
@@ -127,68 +146,66 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
                                 uint16_t *cls_out, uint32_t *rank_out, uint16_t *diff,
                                 int64_t cap) {
     const unsigned base = choose_base(old, n, shift, emask);
-    const __m128i shiftv = _mm_cvtsi32_si128((int)shift);
-    const __m512i emaskv = _mm512_set1_epi16((short)emask);
-    const __m512i basev = _mm512_set1_epi8((char)base);
-    uint8_t cls[SB_ELEMS] __attribute__((aligned(64)));
-    uint64_t chg[SB_VECS], out[SB_VECS];
-    uint32_t cnt[WIN], run[WIN] = {0}, counts[MAX_CLASSES] = {0};
-    int64_t k = 0;
-    const int64_t nv = n - n % SB_ELEMS;
-    for (int64_t s = 0; s < nv; s += SB_ELEMS) {
-        superblock(old + s, nw + s, shiftv, emaskv, basev, cls, chg, out, cnt);
-        uint32_t insb[WIN] = {0};
-        int lastv[WIN] = {0};
-        for (int v = 0; v < SB_VECS; v++) {
-            uint64_t todo = chg[v] | out[v];
-            while (todo) {
-                const int j = (int)__builtin_ctzll(todo);
-                const uint64_t bit = 1ULL << j;
+    const consts_t k = make_consts(shift, emask, base);
+    __m512i run = _mm512_setzero_si512();
+    uint32_t counts[MAX_CLASSES] = {0}, runs[WIN];
+    uint8_t cls[64];
+    int64_t nch = 0;
+    const int64_t nv = n - n % 64;
+    for (int64_t s = 0; s < nv; s += 64) {
+        const vec_t x = count_vector(old + s, &k);
+        const uint64_t chg =
+            _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(old + s), _mm512_loadu_si512(nw + s)) |
+            ((uint64_t)_mm512_cmpneq_epi16_mask(_mm512_loadu_si512(old + s + 32),
+                                                _mm512_loadu_si512(nw + s + 32)) << 32);
+        uint64_t todo = chg | ~x.inwin;
+        if (todo) {
+            _mm512_storeu_si512(cls, x.cls);
+            do {
+                const int j = __builtin_ctzll(todo);
                 todo &= todo - 1;
-                const unsigned c = cls[64 * v + j];
-                uint32_t r;
-                if (out[v] & bit) {
-                    r = counts[c]++;
-                    if (!(chg[v] & bit)) continue;
+                const unsigned c = cls[j];
+                uint32_t rk;
+                if ((x.inwin >> j) & 1) {
+                    rk = (uint32_t)lane(run, (int)(c - base)) + (uint32_t)_mm_popcnt_u64(_bzhi_u64(class_mask(x.cls, c), (unsigned)j));
                 } else {
-                    const unsigned w = c - base;
-                    for (; lastv[w] < v; lastv[w]++)
-                        insb[w] += (uint32_t)_mm_popcnt_u64(class_mask(cls + 64 * lastv[w], c));
-                    r = run[w] + insb[w] +
-                        (uint32_t)_mm_popcnt_u64(class_mask(cls + 64 * v, c) & (bit - 1));
+                    rk = counts[c]++;
+                    if (!((chg >> j) & 1)) continue;
                 }
-                if (k == cap) return -1;
-                const int64_t i = s + 64 * v + j;
-                cls_out[k] = (uint16_t)c;
-                rank_out[k] = r;
-                diff[k] = (uint16_t)((xg_key(nw[i], signbit, full) - xg_key(old[i], signbit, full)) & full);
-                k++;
-            }
+                if (nch == cap) return -1;
+                const int64_t i = s + j;
+                cls_out[nch] = (uint16_t)c;
+                rank_out[nch] = rk;
+                diff[nch] = (uint16_t)((xg_key(nw[i], signbit, full) - xg_key(old[i], signbit, full)) & full);
+                nch++;
+            } while (todo);
         }
-        for (int w = 0; w < WIN; w++) run[w] += cnt[w];
+        run = _mm512_add_epi32(run, x.cnt);
     }
-    for (int w = 0; w < WIN && base + w <= emask; w++) counts[base + w] = run[w];
+    _mm512_storeu_si512(runs, run);
+    for (int w = 0; w < WIN && base + w <= emask; w++) counts[base + w] = runs[w];
     for (int64_t i = nv; i < n; i++) {
         const unsigned c = (old[i] >> shift) & emask;
         if (old[i] != nw[i]) {
-            if (k == cap) return -1;
-            cls_out[k] = (uint16_t)c;
-            rank_out[k] = counts[c];
-            diff[k] = (uint16_t)((xg_key(nw[i], signbit, full) - xg_key(old[i], signbit, full)) & full);
-            k++;
+            if (nch == cap) return -1;
+            cls_out[nch] = (uint16_t)c;
+            rank_out[nch] = counts[c];
+            diff[nch] = (uint16_t)((xg_key(nw[i], signbit, full) - xg_key(old[i], signbit, full)) & full);
+            nch++;
         }
         counts[c]++;
     }
-    return k;
+    return nch;
 }
 
 #define DONE INT64_MAX
-#define NEVER (INT64_MAX / 2) /* slack of a class without targets left */
+#define NEVER (1 << 30) /* slack of a class without targets left (segments hold < 2**23) */
 
-/* The decoder counts each vector's window classes directly (compare + popcount per class)
- * against a per-class *slack*: how many more elements of the class to pass before its
- * next target. A vector holding a target is rare per class, and the target is then picked
- * out of the class's 64-bit mask with pdep. */
+static inline int32_t clamp_slack(int64_t t) { return t < NEVER ? (int32_t)t : NEVER; }
+
+/* The decoder keeps, per window class, its *slack* (16 x i32 in a register): how many more
+ * elements of the class pass before its next target. A vector whose count of a class
+ * exceeds the slack holds the target, picked out of the class's mask with pdep. */
 XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, unsigned emask,
                               const int64_t *class_start, const int64_t *class_end,
                               const int64_t *gaps, uint32_t *pos) {
@@ -202,42 +219,39 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
         tgt[c] = ptr[c] < class_end[c] ? gaps[ptr[c]] : DONE;
     }
     const unsigned base = choose_base(old, n, shift, emask);
-    int64_t slack[WIN];
+    int32_t sl[WIN];
     for (int w = 0; w < WIN; w++)
-        slack[w] = base + w < nclass && tgt[base + w] != DONE ? tgt[base + w] : NEVER;
-    const __m128i shiftv = _mm_cvtsi32_si128((int)shift);
-    const __m512i emaskv = _mm512_set1_epi16((short)emask);
-    const __m512i basev = _mm512_set1_epi8((char)base);
-    const __m512i winv = _mm512_set1_epi8(WIN);
+        sl[w] = base + w < nclass && tgt[base + w] != DONE ? clamp_slack(tgt[base + w]) : NEVER;
+    __m512i slack = _mm512_loadu_si512(sl);
+    const consts_t k = make_consts(shift, emask, base);
+    uint8_t cls[64];
     const int64_t nv = n - n % 64;
     for (int64_t s = 0; s < nv; s += 64) {
-        __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(old + s), shiftv), emaskv);
-        __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(old + s + 32), shiftv), emaskv);
-        __m512i c8 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)),
-                                        _mm512_cvtepi16_epi8(b), 1);
-        __m512i r = _mm512_sub_epi8(c8, basev);
-#pragma GCC unroll 16
-        for (int w = 0; w < WIN; w++) {
-            const uint64_t m = _mm512_cmpeq_epi8_mask(r, _mm512_set1_epi8((char)w));
-            const int64_t cnt = (int64_t)_mm_popcnt_u64(m);
-            int64_t sl = slack[w] - cnt;
-            if (__builtin_expect(sl < 0, 0)) {
+        const vec_t x = count_vector(old + s, &k);
+        uint32_t hit = _mm512_cmplt_epi32_mask(slack, x.cnt);
+        slack = _mm512_sub_epi32(slack, x.cnt);
+        if (hit) {
+            do {
+                const int w = __builtin_ctz(hit);
+                hit &= hit - 1;
                 const unsigned c = base + (unsigned)w;
+                const uint64_t m = class_mask(x.cls, c);
+                const int64_t cnw = lane(x.cnt, w);
+                int64_t t = lane(slack, w) + cnw;
                 do {
-                    pos[ptr[c]] = (uint32_t)(s + __builtin_ctzll(_pdep_u64(1ULL << (sl + cnt), m)));
+                    pos[ptr[c]] = (uint32_t)(s + __builtin_ctzll(_pdep_u64(1ULL << t, m)));
                     if (++ptr[c] == class_end[c]) {
-                        sl = NEVER;
+                        t = (int64_t)NEVER + cnw;
                         break;
                     }
-                    sl += gaps[ptr[c]] + 1;
-                } while (sl < 0);
-            }
-            slack[w] = sl;
+                    t += gaps[ptr[c]] + 1;
+                } while (t < cnw);
+                slack = _mm512_mask_set1_epi32(slack, (__mmask16)(1u << w), clamp_slack(t - cnw));
+            } while (hit);
         }
-        uint64_t out = ~(uint64_t)_mm512_cmplt_epu8_mask(r, winv);
-        if (__builtin_expect(out != 0, 0)) {
-            uint8_t cls[64] __attribute__((aligned(64)));
-            _mm512_store_si512((void *)cls, c8);
+        uint64_t out = ~x.inwin;
+        if (out) {
+            _mm512_storeu_si512(cls, x.cls);
             for (; out; out &= out - 1) {
                 const int j = __builtin_ctzll(out);
                 const unsigned c = cls[j];
@@ -248,13 +262,14 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
             }
         }
     }
+    _mm512_storeu_si512(sl, slack);
     for (int64_t i = nv; i < n; i++) {
         const unsigned c = (old[i] >> shift) & emask;
         const unsigned w = c - base;
         if (w < WIN) {
-            if (slack[w]-- == 0) {
+            if (sl[w]-- == 0) {
                 pos[ptr[c]] = (uint32_t)i;
-                slack[w] = ++ptr[c] < class_end[c] ? gaps[ptr[c]] : NEVER;
+                sl[w] = ++ptr[c] < class_end[c] ? clamp_slack(gaps[ptr[c]]) : NEVER;
             }
         } else if (counts[c]++ == tgt[c]) {
             pos[ptr[c]] = (uint32_t)i;
