@@ -395,3 +395,34 @@ def test_import_swarm_loads_neither_the_extension_nor_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(stream=st.binary(max_size=64), counts=st.lists(st.integers(0, 12), min_size=1,
+                                                      max_size=4),
+       kparam=st.integers(0, 24), limit=st.integers(1, 1 << 33))
+def test_decode_gaps_answers_any_stream_with_a_code(stream: bytes, counts: list[int],
+                                                    kparam: int, limit: int) -> None:
+    cc = np.array(counts, np.int64)
+    out = np.full(int(cc.sum()), -1, np.int64)
+    err = _xg.decode_gaps(cc, np.full(len(counts), kparam, np.int64), stream, out, limit)
+    assert err in (0, 1, 2, 3, 4)
+    if err == 0:  # every class's ranks lie within the segment
+        assert np.all(out >= 0)
+        start = 0
+        for c in counts:
+            assert c == 0 or int(out[start:start + c].sum()) + c - 1 < limit
+            start += c
+
+
+@settings(max_examples=200, deadline=None)
+@given(signs=st.binary(max_size=8), mags=st.binary(max_size=40), k=st.integers(0, 64),
+       width=st.sampled_from([1, 2, 4, 8]))
+def test_decode_values_answers_any_stream_with_a_code(signs: bytes, mags: bytes, k: int,
+                                                      width: int) -> None:
+    k = min(k, 8 * len(signs))
+    d = np.zeros(k, np.dtype(f"uint{8 * width}"))
+    err = _xg.decode_values(signs, mags, k, d)
+    assert err in (0, 1, 2, 3)
+    if err == 0:  # a canonical stream: nonzero differences below half the range each way
+        assert np.all(d != 0)
