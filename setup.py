@@ -9,7 +9,7 @@ import sys
 from setuptools import Extension, setup
 
 if sys.platform == "win32":
-    _CFLAGS = ["/O2"]
+    _CFLAGS = ["/O2", "/std:c11"]
 else:
     _CFLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra",
                "-Wno-missing-field-initializers"]

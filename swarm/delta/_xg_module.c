@@ -27,10 +27,21 @@
 #define RICE_QMAX 24
 #define MAX_NCLASS 2048
 
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#if (defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__) || defined(_MSC_VER)
 #define XG_LITTLE 1
 #else
 #define XG_LITTLE 0
+#endif
+
+#if defined(_MSC_VER) && !defined(__clang__)
+#include <intrin.h>
+static inline int xg_ctz64(uint64_t x) { /* x != 0 */
+    unsigned long i;
+    _BitScanForward64(&i, x);
+    return (int)i;
+}
+#else
+static inline int xg_ctz64(uint64_t x) { return __builtin_ctzll(x); }
 #endif
 
 /* Whether the 2-byte kernels may take the SIMD paths (set_simd); read under the GIL. */
@@ -348,7 +359,7 @@ static int decode_gaps(const int64_t *ccounts, const int64_t *kparams, int64_t n
                 x = load_le64(buf + (b >> 3)) >> (b & 7);
                 avail = 64 - (b & 7);
             }
-            int64_t q = __builtin_ctzll(~x | cap), len, v;
+            int64_t q = xg_ctz64(~x | cap), len, v;
             len = q < RICE_QMAX ? q + 1 + kk : RICE_QMAX + 32;
             if (len > avail) {
                 x = load_le64(buf + (b >> 3)) >> (b & 7);
