@@ -199,13 +199,58 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
 }
 
 #define DONE INT64_MAX
-#define NEVER (1 << 30) /* slack of a class without targets left (segments hold < 2**23) */
+#define NEVER (1 << 30) /* beyond every rank: segments hold fewer than 2**23 elements */
+#define SB_VECS 4
+#define SB_ELEMS (64 * SB_VECS)
 
-static inline int32_t clamp_slack(int64_t t) { return t < NEVER ? (int32_t)t : NEVER; }
+/* A counted superblock of SB_VECS vectors waiting for its targets to be placed. */
+typedef struct {
+    __m512i cls[SB_VECS];
+    __m512i cnt;
+    uint64_t inwin[SB_VECS];
+} superblock_t;
 
-/* The decoder keeps, per window class, its *slack* (16 x i32 in a register): how many more
- * elements of the class pass before its next target. A vector whose count of a class
- * exceeds the slack holds the target, picked out of the class's mask with pdep. */
+/* Classes and window-class counts of SB_ELEMS elements (byte sums over the vectors, one
+ * reduction tree per superblock). */
+XG_TARGET static inline __attribute__((always_inline)) void
+count_superblock(const uint16_t *o, const consts_t *k, superblock_t *sb) {
+    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+    for (int v = 0; v < SB_VECS; v++) {
+        const uint16_t *p = o + 64 * v;
+        __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(p), k->shift), k->emask);
+        __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(p + 32), k->shift), k->emask);
+        const __m512i c8 = _mm512_permutex2var_epi8(a, k->pack, b);
+        const __m512i r = _mm512_sub_epi8(c8, k->base);
+        const __mmask64 in = _mm512_cmplt_epu8_mask(r, k->win);
+        sb->cls[v] = c8;
+        sb->inwin[v] = in;
+        lo = _mm512_add_epi8(lo, _mm512_popcnt_epi8(_mm512_gf2p8affine_epi64_epi8(
+                                     k->bits, _mm512_maskz_shuffle_epi8(in, k->lut_lo, r), 0)));
+        hi = _mm512_add_epi8(hi, _mm512_popcnt_epi8(_mm512_gf2p8affine_epi64_epi8(
+                                     k->bits, _mm512_maskz_shuffle_epi8(in, k->lut_hi, r), 0)));
+    }
+    /* bytes hold at most 8 * SB_VECS; sums over the 8 qwords reach 64 * SB_VECS: widen */
+    __m512i l16 = _mm512_add_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)),
+                                   _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)));
+    __m512i h16 = _mm512_add_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)),
+                                   _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1)));
+    /* lanes 8q + w (q = 0..3) -> lo into the low half, hi into the high half */
+    l16 = _mm512_add_epi16(l16, _mm512_shuffle_i64x2(l16, l16, _MM_SHUFFLE(1, 0, 3, 2)));
+    h16 = _mm512_add_epi16(h16, _mm512_shuffle_i64x2(h16, h16, _MM_SHUFFLE(1, 0, 3, 2)));
+    __m512i t = _mm512_mask_blend_epi64(0xF0, l16, h16);
+    t = _mm512_add_epi16(t, _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+    /* lanes 0..7 (lo) and 16..23 (hi) */
+    sb->cnt = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(
+        _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 0, 0, 0, 0), t)));
+}
+
+static inline int32_t clamp_rank(int64_t t) { return t < NEVER ? (int32_t)t : NEVER; }
+
+/* The decoder holds each window class's next target rank in a register (16 x i32) next to
+ * the running counts; a superblock whose count passes a target holds it, and the target
+ * is picked out of the class's masks with pdep. Placing targets forms a dependency chain
+ * from superblock to superblock, so counting runs one superblock ahead: it is older than
+ * this superblock's branches and survives their mispredictions. */
 XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, unsigned emask,
                               const int64_t *class_start, const int64_t *class_end,
                               const int64_t *gaps, uint32_t *pos) {
@@ -219,59 +264,69 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
         tgt[c] = ptr[c] < class_end[c] ? gaps[ptr[c]] : DONE;
     }
     const unsigned base = choose_base(old, n, shift, emask);
-    int32_t sl[WIN];
-    for (int w = 0; w < WIN; w++)
-        sl[w] = base + w < nclass && tgt[base + w] != DONE ? clamp_slack(tgt[base + w]) : NEVER;
-    __m512i slack = _mm512_loadu_si512(sl);
+    int32_t init[WIN];
+    for (int w = 0; w < WIN; w++) init[w] = base + w < nclass ? clamp_rank(tgt[base + w]) : NEVER;
+    __m512i tgtv = _mm512_loadu_si512(init);
+    __m512i run = _mm512_setzero_si512();
     const consts_t k = make_consts(shift, emask, base);
+    superblock_t buf[2];
     uint8_t cls[64];
-    const int64_t nv = n - n % 64;
-    for (int64_t s = 0; s < nv; s += 64) {
-        const vec_t x = count_vector(old + s, &k);
-        uint32_t hit = _mm512_cmplt_epi32_mask(slack, x.cnt);
-        slack = _mm512_sub_epi32(slack, x.cnt);
-        if (hit) {
+    const int64_t nb = n / SB_ELEMS;
+    if (nb > 0) count_superblock(old, &k, &buf[0]);
+    for (int64_t i = 0; i < nb; i++) {
+        if (i + 1 < nb) count_superblock(old + (i + 1) * SB_ELEMS, &k, &buf[(i + 1) & 1]);
+        const superblock_t *sb = &buf[i & 1];
+        const int64_t s = i * SB_ELEMS;
+        const __m512i after = _mm512_add_epi32(run, sb->cnt);
+        for (uint32_t hit = _mm512_cmplt_epi32_mask(tgtv, after); hit; hit &= hit - 1) {
+            const int w = __builtin_ctz(hit);
+            const unsigned c = base + (unsigned)w;
+            const int64_t rb = lane(run, w), ra = lane(after, w);
+            uint64_t m[SB_VECS];
+            int64_t start[SB_VECS];
+            int64_t sum = 0;
+            for (int v = 0; v < SB_VECS; v++) {
+                m[v] = class_mask(sb->cls[v], c);
+                start[v] = sum;
+                sum += (int64_t)_mm_popcnt_u64(m[v]);
+            }
+            int64_t t = tgt[c];
             do {
-                const int w = __builtin_ctz(hit);
-                hit &= hit - 1;
-                const unsigned c = base + (unsigned)w;
-                const uint64_t m = class_mask(x.cls, c);
-                const int64_t cnw = lane(x.cnt, w);
-                int64_t t = lane(slack, w) + cnw;
-                do {
-                    pos[ptr[c]] = (uint32_t)(s + __builtin_ctzll(_pdep_u64(1ULL << t, m)));
-                    if (++ptr[c] == class_end[c]) {
-                        t = (int64_t)NEVER + cnw;
-                        break;
-                    }
-                    t += gaps[ptr[c]] + 1;
-                } while (t < cnw);
-                slack = _mm512_mask_set1_epi32(slack, (__mmask16)(1u << w), clamp_slack(t - cnw));
-            } while (hit);
+                const int64_t r = t - rb;
+                int v = 0;
+                for (int u = 1; u < SB_VECS; u++) v += r >= start[u];
+                pos[ptr[c]] = (uint32_t)(s + 64 * v + __builtin_ctzll(_pdep_u64(1ULL << (r - start[v]), m[v])));
+                if (++ptr[c] == class_end[c]) {
+                    t = DONE;
+                    break;
+                }
+                t += gaps[ptr[c]] + 1;
+            } while (t < ra);
+            tgt[c] = t;
+            tgtv = _mm512_mask_set1_epi32(tgtv, (__mmask16)(1u << w), clamp_rank(t));
         }
-        uint64_t out = ~x.inwin;
-        if (out) {
-            _mm512_storeu_si512(cls, x.cls);
-            for (; out; out &= out - 1) {
-                const int j = __builtin_ctzll(out);
-                const unsigned c = cls[j];
-                if (counts[c]++ == tgt[c]) {
-                    pos[ptr[c]] = (uint32_t)(s + j);
-                    tgt[c] = ++ptr[c] < class_end[c] ? tgt[c] + gaps[ptr[c]] + 1 : DONE;
+        run = after;
+        for (int v = 0; v < SB_VECS; v++) {
+            uint64_t out = ~sb->inwin[v];
+            if (__builtin_expect(out != 0, 0)) {
+                _mm512_storeu_si512(cls, sb->cls[v]);
+                for (; out; out &= out - 1) {
+                    const int j = __builtin_ctzll(out);
+                    const unsigned c = cls[j];
+                    if (counts[c]++ == tgt[c]) {
+                        pos[ptr[c]] = (uint32_t)(s + 64 * v + j);
+                        tgt[c] = ++ptr[c] < class_end[c] ? tgt[c] + gaps[ptr[c]] + 1 : DONE;
+                    }
                 }
             }
         }
     }
-    _mm512_storeu_si512(sl, slack);
-    for (int64_t i = nv; i < n; i++) {
+    int32_t runs[WIN];
+    _mm512_storeu_si512(runs, run);
+    for (int w = 0; w < WIN && base + w < nclass; w++) counts[base + w] = runs[w];
+    for (int64_t i = nb * SB_ELEMS; i < n; i++) {
         const unsigned c = (old[i] >> shift) & emask;
-        const unsigned w = c - base;
-        if (w < WIN) {
-            if (sl[w]-- == 0) {
-                pos[ptr[c]] = (uint32_t)i;
-                sl[w] = ++ptr[c] < class_end[c] ? clamp_slack(gaps[ptr[c]]) : NEVER;
-            }
-        } else if (counts[c]++ == tgt[c]) {
+        if (counts[c]++ == tgt[c]) {
             pos[ptr[c]] = (uint32_t)i;
             tgt[c] = ++ptr[c] < class_end[c] ? tgt[c] + gaps[ptr[c]] + 1 : DONE;
         }
