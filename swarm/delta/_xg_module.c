@@ -196,34 +196,44 @@ static int rice_param(const uint32_t *gapv, int64_t c) {
     return best;
 }
 
-/* Sign bits and escaped u8 magnitudes of the key differences ``d[order[p]]``; returns the
- * magnitude bytes written. */
+/* In class order (change ``order[p]`` at slot p, ``ccount`` per class): the rank gaps
+ * ``gapv``, and the sign bits and escaped u8 magnitudes of the key differences; returns
+ * the magnitude bytes written. */
 #define XG_DEFINE_VALUES(NAME, T, W)                                                       \
-    static int64_t NAME(const T *restrict d, const uint32_t *restrict order, int64_t k,    \
+    static int64_t NAME(const T *restrict d, const uint32_t *restrict rank,                \
+                        const uint32_t *restrict order, const int64_t *restrict ccount,    \
+                        int64_t nclass, uint32_t *restrict gapv,                           \
                         uint8_t *restrict signs_out, uint8_t *restrict mags_out) {         \
         const T half = (T)((T)1 << (8 * W - 1));                                           \
-        int64_t m = 0;                                                                     \
+        int64_t m = 0, p = 0;                                                              \
         unsigned sbyte = 0;                                                                \
-        for (int64_t p = 0; p < k; p++) {                                                  \
-            T dd = d[order[p]];                                                            \
-            unsigned neg = (dd & half) != 0;                                               \
-            T mag = neg ? (T)(-dd) : dd;                                                   \
-            T mm = (T)(mag - 1);                                                           \
-            sbyte |= neg << (p & 7);                                                       \
-            if ((p & 7) == 7) {                                                            \
-                signs_out[p >> 3] = (uint8_t)sbyte;                                        \
-                sbyte = 0;                                                                 \
-            }                                                                              \
-            if (mm < ESCAPE) {                                                             \
-                mags_out[m++] = (uint8_t)mm;                                               \
-            } else {                                                                       \
-                mags_out[m] = ESCAPE;                                                      \
-                for (int t = 0; t < W; t++)                                                \
-                    mags_out[m + 1 + t] = (uint8_t)((uint64_t)mm >> (8 * t));              \
-                m += 1 + W;                                                                \
+        for (int64_t e = 0; e < nclass; e++) {                                             \
+            int64_t prev = -1;                                                             \
+            for (int64_t end = p + ccount[e]; p < end; p++) {                              \
+                uint32_t j = order[p];                                                     \
+                int64_t r = rank[j];                                                       \
+                gapv[p] = (uint32_t)(r - prev - 1);                                        \
+                prev = r;                                                                  \
+                T dd = d[j];                                                               \
+                unsigned neg = (dd & half) != 0;                                           \
+                T mag = neg ? (T)(0 - dd) : dd;                                            \
+                T mm = (T)(mag - 1);                                                       \
+                sbyte |= neg << (p & 7);                                                   \
+                if ((p & 7) == 7) {                                                        \
+                    signs_out[p >> 3] = (uint8_t)sbyte;                                    \
+                    sbyte = 0;                                                             \
+                }                                                                          \
+                if (mm < ESCAPE) {                                                         \
+                    mags_out[m++] = (uint8_t)mm;                                           \
+                } else {                                                                   \
+                    mags_out[m] = ESCAPE;                                                  \
+                    for (int t = 0; t < W; t++)                                            \
+                        mags_out[m + 1 + t] = (uint8_t)((uint64_t)mm >> (8 * t));          \
+                    m += 1 + W;                                                            \
+                }                                                                          \
             }                                                                              \
         }                                                                                  \
-        if (k & 7) signs_out[k >> 3] = (uint8_t)sbyte;                                     \
+        if (p & 7) signs_out[p >> 3] = (uint8_t)sbyte;                                     \
         return m;                                                                          \
     }
 
@@ -233,11 +243,13 @@ XG_DEFINE_VALUES(values_u32, uint32_t, 4)
 XG_DEFINE_VALUES(values_u64, uint64_t, 8)
 
 /* Rice codes of ``gapv`` (grouped by class, ``kparam`` per class) into ``out`` (at least
- * ``cap`` >= (56 * k + 7) / 8 bytes); returns the bytes written. */
+ * ``cap`` >= (56 * k + 7) / 8 bytes); returns the bytes written. Bits go LSB first into a
+ * 64-bit accumulator that is stored whenever it fills up. */
 static int64_t rice_write(const uint32_t *gapv, const int64_t *ccount, const int64_t *kparam,
                           int64_t nclass, uint8_t *out, int64_t cap) {
+    (void)cap; /* whole words are stored only when that many bits are written */
     uint64_t acc = 0;
-    unsigned used = 0;
+    unsigned used = 0; /* bits pending in acc, < 64 */
     int64_t pos = 0, p = 0;
     for (int64_t e = 0; e < nclass; e++) {
         int64_t c = ccount[e];
@@ -245,7 +257,7 @@ static int64_t rice_write(const uint32_t *gapv, const int64_t *ccount, const int
         unsigned kb = (unsigned)kparam[e];
         uint64_t kmask = ((uint64_t)1 << kb) - 1;
         for (int64_t end = p + c; p < end; p++) {
-            uint64_t g = (uint64_t)gapv[p], q = g >> kb, code;
+            uint64_t g = gapv[p], q = g >> kb, code;
             unsigned nbits;
             if (q < RICE_QMAX) {
                 code = (((uint64_t)1 << q) - 1) | ((g & kmask) << (q + 1));
@@ -254,24 +266,26 @@ static int64_t rice_write(const uint32_t *gapv, const int64_t *ccount, const int
                 code = (((uint64_t)1 << RICE_QMAX) - 1) | (g << RICE_QMAX);
                 nbits = RICE_QMAX + 32;
             }
-            /* acc holds < 8 pending bits and a code is at most 56 bits: flush whole bytes */
             acc |= code << used;
-            used += nbits;
-            unsigned nb = used >> 3;
-#if XG_LITTLE
-            if (pos + 8 <= cap) {
-                memcpy(out + pos, &acc, 8);
-            } else
+            if (used + nbits >= 64) {
+                /* a code has at most 56 bits, so used >= 8 here and the shift is < 64 */
+                uint64_t le = acc;
+#if !XG_LITTLE
+                le = __builtin_bswap64(le);
 #endif
-            {
-                for (unsigned t = 0; t < nb; t++) out[pos + t] = (uint8_t)(acc >> (8 * t));
+                memcpy(out + pos, &le, 8);
+                pos += 8;
+                acc = code >> (64 - used);
+                used = used + nbits - 64;
+            } else {
+                used += nbits;
             }
-            pos += nb;
-            acc = nb ? acc >> (8 * nb) : acc;
-            used &= 7;
         }
     }
-    if (used) out[pos++] = (uint8_t)acc;
+    for (; used > 0; used = used > 8 ? used - 8 : 0) {
+        out[pos++] = (uint8_t)acc;
+        acc >>= 8;
+    }
     return pos;
 }
 
@@ -283,14 +297,13 @@ static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d
                         int64_t k, int64_t nclass, int64_t *ccount, int64_t *kparam,
                         uint8_t *gaps_out, int64_t gaps_cap, uint8_t *signs_out,
                         uint8_t *mags_out, int64_t *g_bytes, int64_t *m_bytes) {
-    int64_t *off = malloc(sizeof(int64_t) * (size_t)(2 * nclass));
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)nclass);
     uint32_t *order = malloc(sizeof(uint32_t) * (size_t)(k > 0 ? k : 1));
     uint32_t *gapv = malloc(sizeof(uint32_t) * (size_t)(k > 0 ? k : 1));
     if (off == NULL || order == NULL || gapv == NULL) {
         free(off); free(order); free(gapv);
         return -1;
     }
-    int64_t *last = off + nclass;
     memset(ccount, 0, sizeof(int64_t) * (size_t)nclass);
     memset(kparam, 0, sizeof(int64_t) * (size_t)nclass);
     for (int64_t j = 0; j < k; j++) ccount[cls[j]]++;
@@ -298,13 +311,17 @@ static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d
     for (int64_t e = 0; e < nclass; e++) {
         off[e] = s;
         s += ccount[e];
-        last[e] = -1;
     }
-    for (int64_t j = 0; j < k; j++) {
-        int64_t e = cls[j], r = rank[j], o = off[e]++;
-        order[o] = (uint32_t)j;
-        gapv[o] = (uint32_t)(r - last[e] - 1);
-        last[e] = r;
+    for (int64_t j = 0; j < k; j++) order[off[cls[j]]++] = (uint32_t)j;
+    switch (width) {
+    case 1: *m_bytes = values_u8(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
+            break;
+    case 2: *m_bytes = values_u16(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
+            break;
+    case 4: *m_bytes = values_u32(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
+            break;
+    default: *m_bytes = values_u64(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
+             break;
     }
     int64_t p0 = 0;
     for (int64_t e = 0; e < nclass; e++) {
@@ -313,12 +330,6 @@ static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d
         p0 += ccount[e];
     }
     *g_bytes = rice_write(gapv, ccount, kparam, nclass, gaps_out, gaps_cap);
-    switch (width) {
-    case 1: *m_bytes = values_u8(d, order, k, signs_out, mags_out); break;
-    case 2: *m_bytes = values_u16(d, order, k, signs_out, mags_out); break;
-    case 4: *m_bytes = values_u32(d, order, k, signs_out, mags_out); break;
-    default: *m_bytes = values_u64(d, order, k, signs_out, mags_out); break;
-    }
     free(off); free(order); free(gapv);
     return 0;
 }
