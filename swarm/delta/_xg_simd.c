@@ -27,6 +27,9 @@
 #define WIN 16
 #define MAX_CLASSES 256 /* 2-byte formats have emask <= 0xFF */
 #define SAMPLES 4096
+/* Software prefetch distance (elements): the hardware streamer stops at 4 KiB pages, and
+ * a stalled load is not overlapped with the counting; 8 KiB ahead measured best here. */
+#define AHEAD 4096
 
 int xg_simd_available(void) {
 #ifdef XG_X86
@@ -153,6 +156,10 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
     int64_t nch = 0;
     const int64_t nv = n - n % 64;
     for (int64_t s = 0; s < nv; s += 64) {
+        _mm_prefetch((const char *)(old + s + AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(old + s + 32 + AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(nw + s + AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(nw + s + 32 + AHEAD), _MM_HINT_T0);
         const vec_t x = count_vector(old + s, &k);
         const uint64_t chg =
             _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(old + s), _mm512_loadu_si512(nw + s)) |
@@ -217,6 +224,8 @@ count_superblock(const uint16_t *o, const consts_t *k, superblock_t *sb) {
     __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
     for (int v = 0; v < SB_VECS; v++) {
         const uint16_t *p = o + 64 * v;
+        _mm_prefetch((const char *)(p + AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + 32 + AHEAD), _MM_HINT_T0);
         __m512i a = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(p), k->shift), k->emask);
         __m512i b = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(p + 32), k->shift), k->emask);
         const __m512i c8 = _mm512_permutex2var_epi8(a, k->pack, b);
