@@ -426,3 +426,53 @@ def test_decode_values_answers_any_stream_with_a_code(signs: bytes, mags: bytes,
     assert err in (0, 1, 2, 3)
     if err == 0:  # a canonical stream: nonzero differences below half the range each way
         assert np.all(d != 0)
+
+
+def _table(ids: list[int], counts: list[int], kparams: list[int]) -> bytes:
+    return (np.array(ids, "<u2").tobytes() + np.array(counts, "<u4").tobytes()
+            + np.array(kparams, np.uint8).tobytes())
+
+
+def _parse_table(table: bytes, changes: int, nclass: int = 256
+                 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    nc = len(table) // 7
+    cc, kp = np.full(nc, -1, np.int64), np.full(nc, -1, np.int64)
+    cs, ce = np.full(nclass, -1, np.int64), np.full(nclass, -1, np.int64)
+    return _xg.class_table(table, changes, cc, kp, cs, ce), cc, kp, cs, ce
+
+
+def test_class_table_gives_each_class_its_slots() -> None:
+    err, cc, kp, cs, ce = _parse_table(_table([3, 7, 200], [2, 5, 1], [0, 3, 24]), 8)
+    assert err == 0
+    assert cc.tolist() == [2, 5, 1] and kp.tolist() == [0, 3, 24]
+    assert (cs[3], ce[3], cs[7], ce[7], cs[200], ce[200]) == (0, 2, 2, 7, 7, 8)
+    absent = np.ones(256, bool)
+    absent[[3, 7, 200]] = False
+    assert np.all(cs[absent] == 0) and np.all(ce[absent] == 0)
+
+
+@pytest.mark.parametrize(("table", "changes"), [
+    (_table([7, 3], [1, 1], [0, 0]), 2),  # ids not ascending
+    (_table([3, 3], [1, 1], [0, 0]), 2),  # repeated id
+    (_table([256], [1], [0]), 1),  # id past the classes
+    (_table([3], [0], [0]), 0),  # a class without changes
+    (_table([3], [1], [25]), 1),  # Rice parameter too large
+    (_table([3, 4], [1, 1], [0, 0]), 3),  # counts do not sum to the changes
+    (_table([3], [0xFFFFFFFF], [0]), 1),
+])
+def test_class_table_flags_malformed_tables(table: bytes, changes: int) -> None:
+    assert _parse_table(table, changes)[0] == 1
+
+
+def test_class_table_refuses_wrong_buffers() -> None:
+    table = _table([3], [1], [0])
+    cs, ce = np.empty(256, np.int64), np.empty(256, np.int64)
+    one = np.empty(1, np.int64)
+    with pytest.raises(ValueError, match="not a multiple of 7"):
+        _xg.class_table(table[:-1], 1, one, one, cs, ce)
+    with pytest.raises(ValueError, match="ccounts has 0 elements"):
+        _xg.class_table(table, 1, one[:0], one, cs, ce)
+    with pytest.raises(ValueError, match="same number of classes"):
+        _xg.class_table(table, 1, one, one.copy(), cs, ce[:10])
+    with pytest.raises(TypeError, match="class_start must be a C-contiguous, writable"):
+        _xg.class_table(table, 1, one, one.copy(), _readonly(cs), ce)

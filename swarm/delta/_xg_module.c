@@ -525,6 +525,33 @@ static void apply_diffs(void *arr, int width, const uint32_t *pos, const void *d
     }
 }
 
+/* The class table ``u16 ids || u32 counts || u8 Rice parameters`` (little-endian, ``nc``
+ * classes) -> per present class ``ccounts``/``kparams``, and per class id the slots
+ * ``[class_start, class_end)`` of its changes (empty at 0 for absent classes). 0 ok, 1 ids not ascending or not below
+ * ``nclass``, a zero count, a parameter above RICE_KMAX, or counts not summing to
+ * ``changes``. */
+static int class_table(const uint8_t *t, int64_t nc, int64_t nclass, int64_t changes,
+                       int64_t *ccounts, int64_t *kparams, int64_t *class_start,
+                       int64_t *class_end) {
+    int64_t sum = 0, prev = -1;
+    for (int64_t e = 0; e < nclass; e++) class_start[e] = class_end[e] = 0;
+    for (int64_t i = 0; i < nc; i++) {
+        int64_t id = (int64_t)t[2 * i] | ((int64_t)t[2 * i + 1] << 8);
+        const uint8_t *c = t + 2 * nc + 4 * i;
+        int64_t cnt = (int64_t)c[0] | ((int64_t)c[1] << 8) | ((int64_t)c[2] << 16)
+                      | ((int64_t)c[3] << 24);
+        int64_t kp = t[6 * nc + i];
+        if (id <= prev || id >= nclass || cnt == 0 || kp > RICE_KMAX) return 1;
+        prev = id;
+        ccounts[i] = cnt;
+        kparams[i] = kp;
+        class_start[id] = sum;
+        sum += cnt;
+        class_end[id] = sum;
+    }
+    return sum == changes ? 0 : 1;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Argument checking                                                                    */
 /* ------------------------------------------------------------------------------------ */
@@ -994,6 +1021,54 @@ done:
     return res;
 }
 
+PyDoc_STRVAR(class_table_doc,
+"class_table(classes, changes, ccounts, kparams, class_start, class_end) -> int\n\n"
+"Parse a segment's class table (u16 ids || u32 counts || u8 Rice parameters,\n"
+"little-endian; len(classes) a multiple of 7) into ccounts/kparams (int64, one per class\n"
+"present) and class_start/class_end (int64, one per class id: nclass long). 0 ok, 1 ids\n"
+"not ascending or not below nclass, a zero count, a parameter above RICE_KMAX, or counts\n"
+"not summing to changes.");
+
+static PyObject *xg_class_table(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_t, *o_cc, *o_kp, *o_cs, *o_ce;
+    long long changes;
+    if (!PyArg_ParseTuple(args, "OLOOOO:class_table", &o_t, &changes, &o_cc, &o_kp, &o_cs,
+                          &o_ce))
+        return NULL;
+    xg_buf b[5];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_t, &b[0], "classes", 0, KIND_UNSIGNED, 1) < 0
+        || get_array(o_cc, &b[1], "ccounts", 1, KIND_SIGNED, 8) < 0
+        || get_array(o_kp, &b[2], "kparams", 1, KIND_SIGNED, 8) < 0
+        || get_array(o_cs, &b[3], "class_start", 1, KIND_SIGNED, 8) < 0
+        || get_array(o_ce, &b[4], "class_end", 1, KIND_SIGNED, 8) < 0)
+        goto done;
+    if (b[0].len % 7 != 0) {
+        PyErr_Format(PyExc_ValueError, "classes has %lld bytes, not a multiple of 7",
+                     (long long)b[0].len);
+        goto done;
+    }
+    int64_t nc = b[0].len / 7, nclass = b[3].len;
+    if (b[1].len < nc) { too_short("ccounts", b[1].len, nc); goto done; }
+    if (b[2].len < nc) { too_short("kparams", b[2].len, nc); goto done; }
+    if (nclass < 1 || nclass > MAX_NCLASS || b[4].len != nclass) {
+        PyErr_Format(PyExc_ValueError, "class_start and class_end must hold the same number "
+                     "of classes, 1 to %d", MAX_NCLASS);
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = class_table(b[0].view.buf, nc, nclass, (int64_t)changes, b[1].view.buf,
+                     b[2].view.buf, b[3].view.buf, b[4].view.buf);
+    Py_END_ALLOW_THREADS
+    res = PyLong_FromLong(rc);
+done:
+    release_all(b, 5);
+    return res;
+}
+
 PyDoc_STRVAR(simd_doc,
 "simd() -> str\n\n"
 "The path the 2-byte kernels take on this CPU: \"avx512\" or \"scalar\".");
@@ -1019,6 +1094,7 @@ static PyObject *xg_set_simd(PyObject *self, PyObject *arg) {
 static PyMethodDef xg_methods[] = {
     {"scan", xg_scan, METH_VARARGS, scan_doc},
     {"group_encode", xg_group_encode, METH_VARARGS, group_encode_doc},
+    {"class_table", xg_class_table, METH_VARARGS, class_table_doc},
     {"decode_gaps", xg_decode_gaps, METH_VARARGS, decode_gaps_doc},
     {"locate", xg_locate, METH_VARARGS, locate_doc},
     {"decode_values", xg_decode_values, METH_VARARGS, decode_values_doc},

@@ -208,31 +208,25 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     if len(classes) % 7 or not 0 < len(classes) // 7 <= fmt.nclass:
         raise DecodeError("chunk: malformed class table")
     nc = len(classes) // 7
-    ids = np.frombuffer(classes, "<u2", nc).astype(np.int64)
-    ccounts = np.frombuffer(classes, "<u4", nc, offset=2 * nc).astype(np.int64)
-    kparams = np.frombuffer(classes, np.uint8, nc, offset=6 * nc).astype(np.int64)
-    if (ids[-1] >= fmt.nclass or np.any(np.diff(ids) <= 0) or np.any(ccounts <= 0)
-            or np.any(kparams > _xg.RICE_KMAX) or int(ccounts.sum()) != changes):
+    ccounts = np.empty(nc, np.int64)
+    kparams = np.empty(nc, np.int64)
+    class_start = np.empty(fmt.nclass, np.int64)
+    class_end = np.empty(fmt.nclass, np.int64)
+    if _xg.class_table(classes, changes, ccounts, kparams, class_start, class_end):
         raise DecodeError("chunk: class table inconsistent with the change count")
     if len(signs) != (changes + 7) // 8:
         raise DecodeError("chunk: sign stream has the wrong length")
     if len(gaps) > _gap_bound(changes):
         raise DecodeError("chunk: gap stream is longer than its changes allow")
-    gap_bytes = np.frombuffer(gaps, np.uint8)
     mag_bytes = _unzstd(mags, (1 + fmt.nbytes) * changes, "magnitude")
     gapv = np.empty(changes, np.int64)
-    err = _xg.decode_gaps(ccounts, kparams, gap_bytes, gapv, count)
+    err = _xg.decode_gaps(ccounts, kparams, gaps, gapv, count)
     if err:
         raise DecodeError(f"chunk: bad gap stream (code {err})")
     diffs = np.empty(changes, fmt.uint)
     err = _xg.decode_values(signs, mag_bytes, changes, diffs)
     if err:
         raise DecodeError(f"chunk: bad sign/magnitude stream (code {err})")
-    class_start = np.zeros(fmt.nclass, np.int64)
-    class_end = np.zeros(fmt.nclass, np.int64)
-    ends = np.cumsum(ccounts)
-    class_start[ids] = ends - ccounts
-    class_end[ids] = ends
     pos = np.empty(changes, np.uint32)
     old = views[tensor][start:start + count]
     err = _xg.locate(old, fmt.shift, fmt.emask, class_start, class_end, gapv, pos)
