@@ -476,3 +476,21 @@ def test_class_table_refuses_wrong_buffers() -> None:
         _xg.class_table(table, 1, one, one.copy(), cs, ce[:10])
     with pytest.raises(TypeError, match="class_start must be a C-contiguous, writable"):
         _xg.class_table(table, 1, one, one.copy(), _readonly(cs), ce)
+
+
+@pytest.mark.parametrize(("shift", "emask"), [(12, 0xFF), (15, 0x7FF), (0, 0x7FF), (9, 0x3F)])
+def test_any_class_field_of_2_byte_elements_matches_reference(shift: int, emask: int) -> None:
+    """Fields that do not fit the element (shift + mask width > 16 bits) only see its bits."""
+    fmt = BitFormat(16, shift, emask, True)
+    old = _weights(BF16, 5003, seed=shift)
+    new = _changed(old, 0.05, seed=emask)
+    ref_cls, ref_rank, ref_d = _reference_scan(old, new, fmt)
+    fast, slow = _both_paths(lambda: _scan(old, new, fmt))
+    _assert_same(fast, slow)
+    np.testing.assert_array_equal(fast[1], ref_cls)
+    np.testing.assert_array_equal(fast[2], ref_rank)
+    np.testing.assert_array_equal(fast[3].astype(np.uint64), ref_d)
+    lf, ls = _both_paths(lambda: _locate(old, fmt, fast[1], fast[2]))
+    _assert_same(lf, ls)
+    assert lf[0] == 0
+    np.testing.assert_array_equal(np.sort(lf[1]), np.flatnonzero(old != new))

@@ -104,8 +104,9 @@ XG_DEFINE_SCAN(scan_u64, uint64_t)
 #if !XG_LITTLE
 XG_DEFINE_SCAN(scan_u16, uint16_t)
 #else
-/* 2-byte elements read as uint64 words, four elements a load (the exponent field of each
- * lane lies within its 16 bits, so one shift per lane selects it). */
+/* 2-byte elements read as uint64 words, four elements a load: one shift per lane and the
+ * mask ``em`` (``emask`` cut to the bits a 16-bit element has above ``shift``) select each
+ * lane's class exactly as element by element. */
 static int64_t scan_u16(const uint16_t *restrict old, const uint16_t *restrict new_,
                         int64_t n, unsigned shift, uint64_t emask, uint64_t signbit,
                         uint64_t full, uint32_t *restrict counts, int64_t nclass,
@@ -115,6 +116,7 @@ static int64_t scan_u16(const uint16_t *restrict old, const uint16_t *restrict n
     uint32_t *restrict c2 = counts + 2 * nclass, *restrict c3 = counts + 3 * nclass;
     uint32_t *rows[4] = {c0, c1, c2, c3};
     const unsigned s1 = shift + 16, s2 = shift + 32, s3 = shift + 48;
+    const uint64_t em = emask & (0xFFFFu >> shift);
     int64_t k = 0, i = 0, nw = n / 4;
     for (int64_t w = 0; w < nw; w++) {
         uint64_t x, y;
@@ -126,10 +128,10 @@ static int64_t scan_u16(const uint16_t *restrict old, const uint16_t *restrict n
         memcpy(&x, old + 4 * w, 8);
         memcpy(&y, new_ + 4 * w, 8);
         if (x == y) {
-            c0[(x >> shift) & emask]++;
-            c1[(x >> s1) & emask]++;
-            c2[(x >> s2) & emask]++;
-            c3[(x >> s3) & emask]++;
+            c0[(x >> shift) & em]++;
+            c1[(x >> s1) & em]++;
+            c2[(x >> s2) & em]++;
+            c3[(x >> s3) & em]++;
             continue;
         }
         for (int j = 0; j < 4; j++) {
