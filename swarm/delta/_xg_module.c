@@ -787,7 +787,10 @@ static PyObject *xg_group_encode(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "nclass %zd outside [1, %d]", nclass, MAX_NCLASS);
         goto done;
     }
-    if (k < 0) { PyErr_SetString(PyExc_ValueError, "k must be >= 0"); goto done; }
+    if (k < 0 || k > (Py_ssize_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "k must lie in [0, 2**32)");
+        goto done;
+    }
     if (b[0].len < k) { too_short("cls", b[0].len, k); goto done; }
     if (b[1].len < k) { too_short("rank", b[1].len, k); goto done; }
     if (b[2].len < k) { too_short("d", b[2].len, k); goto done; }
