@@ -58,7 +58,7 @@ $(VBIN)/.installed: pyproject.toml
 	$(VBIN)/pip install -q uv
 	printf 'torchvision\ntorchaudio\ntorchcodec\n' > $(VLLM_VENV)/excludes.txt
 	$(UV_INSTALL) "$(TORCH_SPEC)" "$(VLLM_SPEC)" blake3 msgpack zstandard cryptography \
-		"pytest>=8" pytest-asyncio pytest-timeout "setuptools>=68"
+		"pytest>=8" pytest-asyncio pytest-timeout "setuptools>=77"
 	$(UV_INSTALL) --no-deps -e .
 	$(VBIN)/python -c "from vllm import LLM"
 	touch $@
