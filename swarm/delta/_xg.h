@@ -43,4 +43,9 @@ int xg_locate16_simd(const uint16_t *old, int64_t n, unsigned shift, unsigned em
                      const int64_t *class_start, const int64_t *class_end, int nclass,
                      const int64_t *gaps, uint32_t *pos);
 
+/* Reads two buffers of ``nwords`` 64-bit words once, as fast as this CPU reads memory, and
+ * returns a fold of them (its value only keeps the reads from being optimized away). The
+ * benchmark's floor for extraction, which must read old and new. */
+uint64_t xg_read_pair(const uint64_t *a, const uint64_t *b, int64_t nwords);
+
 #endif

@@ -345,6 +345,19 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
     return 0;
 }
 
+XG_TARGET static uint64_t read_pair512(const uint64_t *a, const uint64_t *b, int64_t nwords) {
+    __m512i x0 = _mm512_setzero_si512(), x1 = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= nwords; i += 16) {
+        x0 = _mm512_xor_si512(x0, _mm512_xor_si512(_mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i)));
+        x1 = _mm512_xor_si512(x1, _mm512_xor_si512(_mm512_loadu_si512(a + i + 8),
+                                                   _mm512_loadu_si512(b + i + 8)));
+    }
+    uint64_t r = (uint64_t)_mm512_reduce_or_epi64(_mm512_xor_si512(x0, x1));
+    for (; i < nwords; i++) r ^= a[i] ^ b[i];
+    return r;
+}
+
 #endif /* XG_X86 */
 
 int64_t xg_scan16_simd(const uint16_t *old, const uint16_t *new_, int64_t n, unsigned shift,
@@ -369,4 +382,18 @@ int xg_locate16_simd(const uint16_t *old, int64_t n, unsigned shift, unsigned em
     (void)old; (void)n; (void)shift; (void)emask; (void)class_start; (void)class_end;
     (void)nclass; (void)gaps; (void)pos;
     return XG_UNSUPPORTED;
+}
+
+uint64_t xg_read_pair(const uint64_t *a, const uint64_t *b, int64_t nwords) {
+#ifdef XG_X86
+    if (xg_simd_available()) return read_pair512(a, b, nwords);
+#endif
+    uint64_t x0 = 0, x1 = 0;
+    int64_t i = 0;
+    for (; i + 2 <= nwords; i += 2) {
+        x0 ^= a[i] ^ b[i];
+        x1 ^= a[i + 1] ^ b[i + 1];
+    }
+    if (i < nwords) x0 ^= a[i] ^ b[i];
+    return x0 ^ x1;
 }
