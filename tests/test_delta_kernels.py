@@ -494,3 +494,17 @@ def test_any_class_field_of_2_byte_elements_matches_reference(shift: int, emask:
     _assert_same(lf, ls)
     assert lf[0] == 0
     np.testing.assert_array_equal(np.sort(lf[1]), np.flatnonzero(old != new))
+
+
+def test_read_pair_reads_both_buffers_whole_words() -> None:
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 1 << 16, 1003).astype(np.uint16)
+    b = rng.integers(0, 1 << 16, 1003).astype(np.uint16)
+    words = 2006 // 8
+    fold = _xg.read_pair(a, b)
+    assert isinstance(fold, int) and 0 <= fold < 1 << 64
+    b2 = b.copy()
+    b2[4 * words:] ^= 1  # the bytes past the last whole word are not read
+    assert _xg.read_pair(a, b2) == fold
+    with pytest.raises(ValueError, match="a has 2006 bytes but b has 2004"):
+        _xg.read_pair(a, b[:-1])
