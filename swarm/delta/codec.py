@@ -27,6 +27,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,6 +59,17 @@ def _compressor() -> zstandard.ZstdCompressor:
         c = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
         _local.cctx = c
     return c
+
+
+def _scratch(name: str, size: int, dtype: np.dtype[Any] | type) -> np.ndarray:
+    """A per-thread temporary of ``size`` elements, reused from call to call: fresh
+    allocations of these sizes are page-faulted and zeroed by the kernel every time."""
+    want = np.dtype(dtype)
+    buf: np.ndarray | None = getattr(_local, name, None)
+    if buf is None or buf.nbytes < size * want.itemsize:
+        buf = np.empty(max(size * want.itemsize, 1 << 16), np.uint8)
+        setattr(_local, name, buf)
+    return buf[:size * want.itemsize].view(want)
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -96,9 +108,9 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
     n = old.shape[0]
     cap = max(1024, n // 16)
     while True:
-        cls = np.empty(cap, np.uint16)
-        rank = np.empty(cap, np.uint32)
-        d = np.empty(cap, fmt.uint)
+        cls = _scratch("cls", cap, np.uint16)
+        rank = _scratch("rank", cap, np.uint32)
+        d = _scratch("diff", cap, fmt.uint)
         k = _xg.scan(old, new, fmt.shift, fmt.emask, int(fmt.signbit), int(fmt.full), cls,
                      rank, d)
         if k >= 0:
@@ -108,15 +120,16 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
         return None
     ccount = np.zeros(fmt.nclass, np.int64)
     kparam = np.zeros(fmt.nclass, np.int64)
-    gaps = np.empty(_gap_bound(k), np.uint8)
-    signs = np.zeros((k + 7) // 8, np.uint8)
-    mags = np.empty(k * (1 + fmt.nbytes), np.uint8)
+    gaps = _scratch("gaps", _gap_bound(k), np.uint8)
+    signs = _scratch("signs", (k + 7) // 8, np.uint8)
+    signs.fill(0)
+    mags = _scratch("mags", k * (1 + fmt.nbytes), np.uint8)
     g, m = _xg.group_encode(cls, rank, d, k, fmt.nclass, ccount, kparam, gaps, signs, mags)
     present = np.flatnonzero(ccount)
     classes = (present.astype("<u2").tobytes() + ccount[present].astype("<u4").tobytes()
                + kparam[present].astype(np.uint8).tobytes())
     return EncodedSegment(tensor, start, n, int(k), classes, gaps[:g].tobytes(),
-                          signs.tobytes(), _compressor().compress(mags[:m].tobytes()))
+                          signs.tobytes(), _compressor().compress(mags[:m]))
 
 
 def _gap_bound(changes: int) -> int:
@@ -263,23 +276,33 @@ def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
     return AppliedChunk(tuple(out), names)
 
 
-def _apply(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
-           negate: bool) -> None:
-    segs = reversed(chunk.segments) if negate else chunk.segments
-    for s in segs:
+def _apply(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk, negate: bool,
+           executor: Executor | None) -> None:
+    def one(s: SegmentChange) -> None:
         fmt = BIT_FORMATS[layout.tensors[s.tensor].dtype]
         _xg.apply_diffs(views[s.tensor][s.start:], s.positions, s.diffs, int(fmt.signbit),
                         int(fmt.full), negate)
 
+    # segments of a chunk cover disjoint elements: any order, any thread
+    if executor is not None and len(chunk.segments) > 1:
+        for _ in executor.map(one, chunk.segments):
+            pass
+    else:
+        for s in chunk.segments:
+            one(s)
 
-def apply_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk) -> None:
-    """Write a decoded chunk's changes into the state (views of its tensors)."""
-    _apply(layout, views, chunk, negate=False)
+
+def apply_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
+                  executor: Executor | None = None) -> None:
+    """Write a decoded chunk's changes into the state (views of its tensors); with
+    ``executor``, segments are written in parallel on its threads."""
+    _apply(layout, views, chunk, False, executor)
 
 
-def revert_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk) -> None:
+def revert_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
+                   executor: Executor | None = None) -> None:
     """Undo :func:`apply_decoded` exactly."""
-    _apply(layout, views, chunk, negate=True)
+    _apply(layout, views, chunk, True, executor)
 
 
 def state_views(state: Mapping[str, torch.Tensor], layout: StateLayout) -> list[Bits]:

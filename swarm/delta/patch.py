@@ -94,7 +94,7 @@ class Patcher:
         if len(data) != size or chunk_id(data) != cid:
             raise IntegrityError(f"chunk {hex_id(cid, True)} does not match its id")
         decoded = decode_chunk(data, self._layout, self._views, self._executor)
-        apply_decoded(self._layout, self._views, decoded)
+        apply_decoded(self._layout, self._views, decoded, self._executor)
         self._applied.append(decoded)
         self._done.add(cid)
         self._changed |= decoded.tensor_names
@@ -103,7 +103,7 @@ class Patcher:
     def revert(self) -> None:
         """Undo every applied chunk exactly (newest first); the state is the base again."""
         while self._applied:
-            revert_decoded(self._layout, self._views, self._applied.pop())
+            revert_decoded(self._layout, self._views, self._applied.pop(), self._executor)
         self._done.clear()
         self._changed.clear()
 
