@@ -129,7 +129,7 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
     classes = (present.astype("<u2").tobytes() + ccount[present].astype("<u4").tobytes()
                + kparam[present].astype(np.uint8).tobytes())
     return EncodedSegment(tensor, start, n, int(k), classes, gaps[:g].tobytes(),
-                          signs.tobytes(), _compressor().compress(memoryview(mags[:m])))
+                          signs.tobytes(), _compressor().compress(mags[:m].data))
 
 
 def _gap_bound(changes: int) -> int:
