@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from swarm.content.ids import chunk_id
-    from swarm.delta import EncoderConfig, Patcher, delta_chunks, layout_of, state_root_of
+    from swarm.delta import EncoderConfig, Patcher, _xg, delta_chunks, layout_of, state_root_of
     from swarm.delta.dtypes import BIT_FORMATS, bits_view
     from swarm.delta.pipeline import _manifest
     from swarm.identity import Identity
@@ -299,6 +299,11 @@ def run(args: argparse.Namespace) -> int:
     # memcpy: the faster of one thread and all threads (numpy copies release the GIL)
     t_memcpy = min(_best(args.repeat, lambda: np.copyto(copy_dst, contiguous)),
                    _best(args.repeat, memcpy))
+    # the floor of extraction: read old and new once (no compute), on every thread
+    words = model_bytes // 8 // threads * 8
+    pairs = [(contiguous[i * words:(i + 1) * words].view(np.uint64),
+              copy_dst[i * words:(i + 1) * words].view(np.uint64)) for i in range(threads)]
+    t_read = _best(args.repeat, lambda: list(pool.map(lambda ab: _xg.read_pair(*ab), pairs)))
     t_blake = _best(args.repeat, lambda: blake3.blake3(contiguous.data,
                                                        max_threads=blake3.blake3.AUTO).digest())
     t_root = _best(args.repeat, lambda: state_root_of(new, threads=threads))
@@ -343,12 +348,14 @@ def run(args: argparse.Namespace) -> int:
           f" best of {args.repeat})")
     stages = [
         ("memcpy (same bytes, best of 1 and all threads)", t_memcpy),
+        ("read old + new once (extraction's floor)", t_read * model_bytes / (words * threads)),
         ("blake3, one contiguous buffer, all cores", t_blake),
         ("state root (pieces on all cores)", t_root),
         ("extract + encode (this codec)", t_enc),
         ("decode + patch (this codec)", t_patch),
         ("revert (applied chunks)", t_revert),
     ]
+    print(f"kernels: C extension, {_xg.simd()} path for 2-byte elements")
     print(f"{'stage':<44} {'GB/s':>7} {'vs memcpy':>10}")
     for name, t in stages:
         print(f"{name:<44} {gbs / t:>7.2f} {t_memcpy / t:>9.2f}x")

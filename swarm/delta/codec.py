@@ -232,7 +232,7 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     if len(gaps) > _gap_bound(changes):
         raise DecodeError("chunk: gap stream is longer than its changes allow")
     mag_bytes = _unzstd(mags, (1 + fmt.nbytes) * changes, "magnitude")
-    gapv = np.empty(changes, np.int64)
+    gapv = _scratch("gapv", changes, np.int64)
     err = _xg.decode_gaps(ccounts, kparams, gaps, gapv, count)
     if err:
         raise DecodeError(f"chunk: bad gap stream (code {err})")
