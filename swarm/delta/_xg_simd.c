@@ -3,16 +3,19 @@
  * Both kernels need the rank of elements within their class (the exponent field of the
  * old value) in the segment, so every element's class is counted. Counting element by
  * element costs about 2 cycles an element (a load-increment-store per element). Here 64
- * elements go at a time: the classes of a *window* of WIN consecutive class ids, chosen
- * per segment from a sample (for trained weights nearly every element), are counted in
- * byte lanes, one compare and one masked add per class and 64 elements, and summed once
- * per superblock of SB_VECS vectors. Changed elements (encoder), targets (decoder) and
- * elements outside the window ("outliers", counted in a table) are then visited one by
- * one, in element order within each class, which is all the format needs.
+ * elements go at a time: classes are extracted and packed to bytes (vpermt2b); those in a
+ * *window* of WIN consecutive class ids, chosen per segment from a sample (for trained
+ * weights nearly every element), become a one-hot byte per window half; gf2p8affine
+ * transposes each group of 8 one-hot bytes so that byte popcounts count 8 elements of 8
+ * classes at once, and a short tree sums the groups. Changed elements (encoder), targets
+ * (decoder) and elements outside the window ("outliers", counted in a table) are then
+ * visited one by one: a rank is the running count of its class plus a masked popcount, a
+ * target is picked out of its class's mask with pdep.
  *
  * The window is a speed choice only: results are identical to the scalar kernels for
  * every input (tests compare them), and a segment whose classes spread wider just has
- * more outliers.
+ * more outliers. Needs AVX-512 F/BW/VBMI/BITALG, GFNI and BMI1/2 (Ice Lake, Zen 4 and
+ * later); elsewhere the scalar kernels run.
  */
 #include <stdint.h>
 #include <string.h>
@@ -27,6 +30,8 @@
 #define WIN 16
 #define MAX_CLASSES 256 /* 2-byte formats have emask <= 0xFF */
 #define SAMPLES 4096
+/* Counts and ranks live in 32-bit lanes, and NEVER (2**30) must exceed every count. */
+#define SIMD_MAX_ELEMS ((int64_t)1 << 29)
 /* Software prefetch distance (elements): the hardware streamer stops at 4 KiB pages, and
  * a stalled load is not overlapped with the counting; 8 KiB ahead measured best here. */
 #define AHEAD 4096
@@ -206,7 +211,7 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
 }
 
 #define DONE INT64_MAX
-#define NEVER (1 << 30) /* beyond every rank: segments hold fewer than 2**23 elements */
+#define NEVER (1 << 30) /* beyond every rank (SIMD_MAX_ELEMS) */
 #define SB_VECS 4
 #define SB_ELEMS (64 * SB_VECS)
 
@@ -268,7 +273,7 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
     for (unsigned c = 0; c < nclass; c++) {
         if (class_start[c] < 0 || class_end[c] < class_start[c]) return 1;
         for (int64_t p = class_start[c]; p < class_end[c]; p++)
-            if (gaps[p] < 0) return 1;
+            if (gaps[p] < 0 || gaps[p] >= n) return 1; /* a rank past every element */
         ptr[c] = class_start[c];
         tgt[c] = ptr[c] < class_end[c] ? gaps[ptr[c]] : DONE;
     }
@@ -364,7 +369,7 @@ int64_t xg_scan16_simd(const uint16_t *old, const uint16_t *new_, int64_t n, uns
                        unsigned emask, uint16_t signbit, uint16_t full, uint16_t *cls,
                        uint32_t *rank, uint16_t *diff, int64_t cap) {
 #ifdef XG_X86
-    if (emask < MAX_CLASSES && shift < 16 && xg_simd_available())
+    if (emask < MAX_CLASSES && shift < 16 && n < SIMD_MAX_ELEMS && xg_simd_available())
         return scan16(old, new_, n, shift, emask, signbit, full, cls, rank, diff, cap);
 #endif
     (void)old; (void)new_; (void)n; (void)shift; (void)emask; (void)signbit; (void)full;
@@ -376,7 +381,8 @@ int xg_locate16_simd(const uint16_t *old, int64_t n, unsigned shift, unsigned em
                      const int64_t *class_start, const int64_t *class_end, int nclass,
                      const int64_t *gaps, uint32_t *pos) {
 #ifdef XG_X86
-    if (emask < MAX_CLASSES && shift < 16 && nclass == (int)emask + 1 && xg_simd_available())
+    if (emask < MAX_CLASSES && shift < 16 && nclass == (int)emask + 1 && n < SIMD_MAX_ELEMS &&
+        xg_simd_available())
         return locate16(old, n, shift, emask, class_start, class_end, gaps, pos);
 #endif
     (void)old; (void)n; (void)shift; (void)emask; (void)class_start; (void)class_end;
