@@ -205,6 +205,23 @@ def test_locate_past_the_population_is_code_1_on_both_paths(fmt: BitFormat) -> N
     assert fast == slow == 1
 
 
+@pytest.mark.parametrize("big", [2**62, 2**40, 2**31, 5000])
+def test_locate_gaps_past_the_segment_are_code_1_on_both_paths(big: int) -> None:
+    """A hostile gap (even one whose running sum would wrap) is an error, never a write out
+    of place: the SIMD path keeps ranks in 32-bit lanes."""
+    old = _weights(BF16, 5000, seed=6)
+    e = int((int(old[10]) >> BF16.shift) & BF16.emask)
+    starts = np.zeros(BF16.nclass, np.int64)
+    ends = np.zeros(BF16.nclass, np.int64)
+    ends[e:] = 3
+    starts[e + 1:] = 3
+    gaps = np.array([0, big, big], np.int64)
+    fast, slow = _both_paths(
+        lambda: _xg.locate(old, BF16.shift, BF16.emask, starts, ends, gaps,
+                           np.empty(3, np.uint32)))
+    assert fast == slow == 1
+
+
 @pytest.mark.parametrize("name", ["uint8", "int16", "float32", "float64", "float8_e4m3fn"])
 def test_other_widths_match_reference(name: str) -> None:
     fmt = BIT_FORMATS[name]
