@@ -12,6 +12,7 @@ from test_delta_helpers import gaussian_bf16_pair
 
 from swarm.bench import codec as bench_codec
 from swarm.bench.workload import ModelShape, WorkloadConfig, delta_pair
+from swarm.delta import _xg
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,17 +43,24 @@ def _args(**kw: object) -> argparse.Namespace:
     return ns
 
 
-def test_bench_on_user_checkpoints_prints_every_row(tmp_path: Path,
+@pytest.mark.parametrize("no_simd", [False, True], ids=["default-kernels", "no-simd"])
+def test_bench_on_user_checkpoints_prints_every_row(tmp_path: Path, no_simd: bool,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     old, new = gaussian_bf16_pair(1 << 16, 0.012, seed=9)
     save_file(old, str(tmp_path / "a.safetensors"))
     save_file(new, str(tmp_path / "b.safetensors"))
-    code = bench_codec.run(_args(old=tmp_path / "a.safetensors", new=tmp_path / "b.safetensors",
-                                 repeat=1, threads=2))
+    try:
+        code = bench_codec.run(_args(old=tmp_path / "a.safetensors",
+                                     new=tmp_path / "b.safetensors", repeat=1, threads=2,
+                                     no_simd=no_simd))
+    finally:
+        _xg.set_simd(True)
     out = capsys.readouterr().out
     assert code == 0
+    path = "scalar" if no_simd else _xg.simd()
     for needle in ("AuroraRL/SparrowRL", "NeMo-DCR", "swarm-xg1", "positions | old exponent",
-                   "vs memcpy", "state root vs blake3", "revert restored the base root: True"):
+                   "vs memcpy", "extraction's floor", f"{path} path", "state root vs blake3",
+                   "revert restored the base root: True"):
         assert needle in out
     ours = next(line for line in out.splitlines() if "swarm-xg1" in line)
     leb = next(line for line in out.splitlines() if "AuroraRL" in line)

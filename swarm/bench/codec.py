@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads for every stage (default: all cores)")
     p.add_argument("--repeat", type=int, default=3,
                    help="timed repetitions per stage; the best is reported (default 3)")
+    p.add_argument("--no-simd", action="store_true",
+                   help="run the portable scalar kernels even where AVX-512 is available")
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
     from swarm.identity import Identity
 
     threads = args.threads or os.cpu_count() or 1
+    if args.no_simd:
+        _xg.set_simd(False)
     torch.set_num_threads(threads)
     old, new, label = _load_pair(args)
     layout = layout_of(new)
