@@ -188,27 +188,29 @@ XG_DEFINE_SCAN(scan_u16_small, uint16_t, XG_ROWS_LOCAL)
 XG_DEFINE_SCAN(scan_u16_wide, uint16_t, XG_ROWS_HEAP)
 #endif
 
-/* Dispatch to the local-table body for formats of at most XG_SMALL classes, with the two
- * common class fields (S1, M1), (S2, M2) of the width as constants. */
+/* Dispatch of a kernel NAME (parameters: the rest) to its local-table body NAME_small for
+ * formats of at most XG_SMALL classes, or NAME_wide, with the two common class fields
+ * (S1, M1), (S2, M2) of the width as constants; CALL(F, shift, emask, nclass) calls F. */
+#define XG_DEFINE_DISPATCH(RET, NAME, CALL, S1, M1, S2, M2, ...)                           \
+    static RET NAME(__VA_ARGS__) {                                                         \
+        if (M1 < XG_SMALL && shift == S1 && emask == M1)                                   \
+            return CALL(NAME##_small, S1, M1, M1 + 1);                                     \
+        if (M2 < XG_SMALL && shift == S2 && emask == M2)                                   \
+            return CALL(NAME##_small, S2, M2, M2 + 1);                                     \
+        if (nclass <= XG_SMALL) return CALL(NAME##_small, shift, emask, nclass);           \
+        if (shift == S1 && emask == M1) return CALL(NAME##_wide, S1, M1, M1 + 1);          \
+        return CALL(NAME##_wide, shift, emask, nclass);                                    \
+    }
+
 #define XG_SCAN_CALL(F, S, M, NC) \
     F(old, new_, n, S, M, signbit, full, counts, NC, cls, rank, d, cap)
-#define XG_DEFINE_SCAN_DISPATCH(NAME, T, S1, M1, S2, M2)                                   \
-    static int64_t NAME(XG_SCAN_PARAMS(T)) {                                               \
-        if (M1 < XG_SMALL && shift == S1 && emask == M1)                                   \
-            return XG_SCAN_CALL(NAME##_small, S1, M1, M1 + 1);                             \
-        if (M2 < XG_SMALL && shift == S2 && emask == M2)                                   \
-            return XG_SCAN_CALL(NAME##_small, S2, M2, M2 + 1);                             \
-        if (nclass <= XG_SMALL) return XG_SCAN_CALL(NAME##_small, shift, emask, nclass);   \
-        if (shift == S1 && emask == M1) return XG_SCAN_CALL(NAME##_wide, S1, M1, M1 + 1);  \
-        return XG_SCAN_CALL(NAME##_wide, shift, emask, nclass);                            \
-    }
 
 /* (shift, emask) of float8_e4m3fn/e5m2, bfloat16/float16, float32 (and integers: 0, 0),
  * float64 */
-XG_DEFINE_SCAN_DISPATCH(scan_u8, uint8_t, 3, 0xF, 2, 0x1F)
-XG_DEFINE_SCAN_DISPATCH(scan_u16, uint16_t, 7, 0xFF, 10, 0x1F)
-XG_DEFINE_SCAN_DISPATCH(scan_u32, uint32_t, 23, 0xFF, 0, 0)
-XG_DEFINE_SCAN_DISPATCH(scan_u64, uint64_t, 52, 0x7FF, 0, 0)
+XG_DEFINE_DISPATCH(int64_t, scan_u8, XG_SCAN_CALL, 3, 0xF, 2, 0x1F, XG_SCAN_PARAMS(uint8_t))
+XG_DEFINE_DISPATCH(int64_t, scan_u16, XG_SCAN_CALL, 7, 0xFF, 10, 0x1F, XG_SCAN_PARAMS(uint16_t))
+XG_DEFINE_DISPATCH(int64_t, scan_u32, XG_SCAN_CALL, 23, 0xFF, 0, 0, XG_SCAN_PARAMS(uint32_t))
+XG_DEFINE_DISPATCH(int64_t, scan_u64, XG_SCAN_CALL, 52, 0x7FF, 0, 0, XG_SCAN_PARAMS(uint64_t))
 
 /* Rice parameter of one class: the cheapest of five around log2 of the mean gap. Gaps
  * are < 2**32 (ranks are uint32 and increase within a class). */
@@ -507,21 +509,11 @@ XG_DEFINE_LOCATE(locate_u64_small, uint64_t, XG_TABLES_LOCAL, XG_FREE_LOCAL)
 XG_DEFINE_LOCATE(locate_u64_wide, uint64_t, XG_TABLES_HEAP, XG_FREE_HEAP)
 
 #define XG_LOCATE_CALL(F, S, M, NC) F(o, n, S, M, NC, class_start, class_end, gaps, pos)
-#define XG_DEFINE_LOCATE_DISPATCH(NAME, T, S1, M1, S2, M2)                                 \
-    static int NAME(XG_LOCATE_PARAMS(T)) {                                                 \
-        if (M1 < XG_SMALL && shift == S1 && emask == M1)                                   \
-            return XG_LOCATE_CALL(NAME##_small, S1, M1, M1 + 1);                           \
-        if (M2 < XG_SMALL && shift == S2 && emask == M2)                                   \
-            return XG_LOCATE_CALL(NAME##_small, S2, M2, M2 + 1);                           \
-        if (nclass <= XG_SMALL) return XG_LOCATE_CALL(NAME##_small, shift, emask, nclass); \
-        if (shift == S1 && emask == M1) return XG_LOCATE_CALL(NAME##_wide, S1, M1, M1 + 1); \
-        return XG_LOCATE_CALL(NAME##_wide, shift, emask, nclass);                          \
-    }
 
-XG_DEFINE_LOCATE_DISPATCH(locate_u8, uint8_t, 3, 0xF, 2, 0x1F)
-XG_DEFINE_LOCATE_DISPATCH(locate_u16, uint16_t, 7, 0xFF, 10, 0x1F)
-XG_DEFINE_LOCATE_DISPATCH(locate_u32, uint32_t, 23, 0xFF, 0, 0)
-XG_DEFINE_LOCATE_DISPATCH(locate_u64, uint64_t, 52, 0x7FF, 0, 0)
+XG_DEFINE_DISPATCH(int, locate_u8, XG_LOCATE_CALL, 3, 0xF, 2, 0x1F, XG_LOCATE_PARAMS(uint8_t))
+XG_DEFINE_DISPATCH(int, locate_u16, XG_LOCATE_CALL, 7, 0xFF, 10, 0x1F, XG_LOCATE_PARAMS(uint16_t))
+XG_DEFINE_DISPATCH(int, locate_u32, XG_LOCATE_CALL, 23, 0xFF, 0, 0, XG_LOCATE_PARAMS(uint32_t))
+XG_DEFINE_DISPATCH(int, locate_u64, XG_LOCATE_CALL, 52, 0x7FF, 0, 0, XG_LOCATE_PARAMS(uint64_t))
 
 static int locate(const void *old, int width, int64_t n, unsigned shift, uint64_t emask,
                   const int64_t *class_start, const int64_t *class_end, int64_t nclass,
