@@ -122,7 +122,6 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
     kparam = np.zeros(fmt.nclass, np.int64)
     gaps = _scratch("gaps", _gap_bound(k), np.uint8)
     signs = _scratch("signs", (k + 7) // 8, np.uint8)
-    signs.fill(0)
     mags = _scratch("mags", k * (1 + fmt.nbytes), np.uint8)
     g, m = _xg.group_encode(cls, rank, d, k, fmt.nclass, ccount, kparam, gaps, signs, mags)
     present = np.flatnonzero(ccount)
