@@ -859,8 +859,9 @@ PyDoc_STRVAR(group_encode_doc,
 "    -> (gap_bytes, mag_bytes)\n\n"
 "Group the first k changes of scan() by class; write the Rice-coded rank gaps (one\n"
 "parameter per class: the cheapest of five around log2 of the mean gap), the sign bits\n"
-"(every one of the (k + 7) // 8 bytes) and the escaped u8 magnitudes. ccount/kparam (int64, nclass long) receive the changes\n"
-"and the Rice parameter per class. Returns the gap and magnitude bytes written.");
+"(every one of the (k + 7) // 8 bytes) and the escaped u8 magnitudes. ccount/kparam\n"
+"(int64, nclass long) receive the changes and the Rice parameter per class. Returns the\n"
+"gap and magnitude bytes written.");
 
 static PyObject *xg_group_encode(PyObject *self, PyObject *args) {
     (void)self;
