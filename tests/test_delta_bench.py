@@ -69,6 +69,28 @@ def test_bench_on_user_checkpoints_prints_every_row(tmp_path: Path, no_simd: boo
     assert ours.split()[-1] == "yes"
 
 
+def test_bench_checks_the_torch_engine_against_the_c_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old, new = gaussian_bf16_pair(1 << 16, 0.012, seed=10)
+    save_file(old, str(tmp_path / "a.safetensors"))
+    save_file(new, str(tmp_path / "b.safetensors"))
+    code = bench_codec.run(_args(old=tmp_path / "a.safetensors", new=tmp_path / "b.safetensors",
+                                 repeat=1, threads=2, torch_device="cpu"))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "extract + encode (torch ops on cpu)" in out
+    assert "chunks identical to the C engine's: True" in out
+
+
+def test_bench_refuses_an_unknown_torch_device(tmp_path: Path) -> None:
+    old, new = gaussian_bf16_pair(256, 0.012, seed=11)
+    save_file(old, str(tmp_path / "a.safetensors"))
+    save_file(new, str(tmp_path / "b.safetensors"))
+    with pytest.raises(SystemExit, match="--torch-device nosuch"):
+        bench_codec.run(_args(old=tmp_path / "a.safetensors", new=tmp_path / "b.safetensors",
+                              repeat=1, threads=2, torch_device="nosuch"))
+
+
 def test_bench_refuses_half_a_checkpoint_pair(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         bench_codec.run(_args(old=tmp_path / "a.safetensors"))

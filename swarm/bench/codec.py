@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed repetitions per stage; the best is reported (default 3)")
     p.add_argument("--no-simd", action="store_true",
                    help="run the portable scalar kernels even where AVX-512 is available")
+    p.add_argument("--torch-device", metavar="DEV",
+                   help="also extract with the torch-ops engine from states moved to DEV "
+                        "(cuda, cuda:1, cpu...) and check its chunks are the same bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     from swarm.identity import Identity
 
     threads = args.threads or os.cpu_count() or 1
+    if args.torch_device:
+        _check_device(args.torch_device)
     if args.no_simd:
         _xg.set_simd(False)
     torch.set_num_threads(threads)
@@ -312,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
                                                        max_threads=blake3.blake3.AUTO).digest())
     t_root = _best(args.repeat, lambda: state_root_of(new, threads=threads))
     t_enc = _best(args.repeat, lambda: list(delta_chunks(old, new, cfg)))
+    dev_rows: list[tuple[str, float]] = []
+    dev_same = True
+    if args.torch_device:
+        dev_same, t_dev = _device_extraction(args, old, new, chunks, threads)
+        dev_rows.append((f"extract + encode (torch ops on {args.torch_device})", t_dev))
     state = {k: v.clone() for k, v in old.items()}
     holder: list[Patcher] = []
 
@@ -358,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
         ("extract + encode (this codec)", t_enc),
         ("decode + patch (this codec)", t_patch),
         ("revert (applied chunks)", t_revert),
+        *dev_rows,
     ]
     print(f"kernels: C extension, {_xg.simd()} path for 2-byte elements")
     print(f"{'stage':<44} {'GB/s':>7} {'vs memcpy':>10}")
@@ -367,4 +378,40 @@ def run(args: argparse.Namespace) -> int:
           f"(goals: encode and patch >= 0.5x memcpy, root >= 0.8x blake3)")
     print(f"patched state verified against the signed target root: {verified}; "
           f"revert restored the base root: {reverted}")
-    return 0 if exact and reverted and base.exact else 1
+    if args.torch_device:
+        print(f"torch-ops engine on {args.torch_device}: chunks identical to the C engine's: "
+              f"{dev_same}")
+    return 0 if exact and reverted and base.exact and dev_same else 1
+
+
+def _check_device(name: str) -> None:
+    import torch
+
+    try:
+        torch.empty(1, device=torch.device(name))
+    except (RuntimeError, AssertionError) as exc:
+        raise SystemExit(f"swarm bench codec: --torch-device {name}: {exc}") from exc
+
+
+def _device_extraction(args: argparse.Namespace, old: dict[str, torch.Tensor],
+                       new: dict[str, torch.Tensor], chunks: list[Any], threads: int
+                       ) -> tuple[bool, float]:
+    """The torch-ops engine's extraction from states on ``--torch-device``: whether its
+    chunks are the C engine's bytes, and its best time."""
+    import torch
+
+    from swarm.delta import EncoderConfig, delta_chunks
+
+    dev = torch.device(args.torch_device)
+    old_d = {k: v.to(dev) for k, v in old.items()}
+    new_d = {k: v.to(dev) for k, v in new.items()}
+    cfg = EncoderConfig(threads=threads, engine="torch")
+
+    def extract() -> list[Any]:
+        out = list(delta_chunks(old_d, new_d, cfg))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return out
+
+    same = [c.data for c in extract()] == [c.data for c in chunks]
+    return same, _best(args.repeat, extract)

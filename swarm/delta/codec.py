@@ -118,6 +118,14 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
         cap = n
     if k == 0:
         return None
+    return encode_changes(cls, rank, d, int(k), fmt, tensor, start, n)
+
+
+def encode_changes(cls: np.ndarray, rank: np.ndarray, d: np.ndarray, k: int, fmt: BitFormat,
+                   tensor: int, start: int, count: int) -> EncodedSegment:
+    """Code the first ``k`` changes of a ``count``-element segment, in element order: their
+    classes (uint16), ranks within their class in the segment (uint32) and key differences
+    (``fmt.uint``), as the scan finds them."""
     ccount = np.zeros(fmt.nclass, np.int64)
     kparam = np.zeros(fmt.nclass, np.int64)
     gaps = _scratch("gaps", _gap_bound(k), np.uint8)
@@ -127,7 +135,7 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
     present = np.flatnonzero(ccount)
     classes = (present.astype("<u2").tobytes() + ccount[present].astype("<u4").tobytes()
                + kparam[present].astype(np.uint8).tobytes())
-    return EncodedSegment(tensor, start, n, int(k), classes, gaps[:g].tobytes(),
+    return EncodedSegment(tensor, start, count, k, classes, gaps[:g].tobytes(),
                           signs.tobytes(), _compressor().compress(mags[:m].data))
 
 

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,11 +30,11 @@ from swarm.delta.codec import (
     CODEC_NAME,
     MAX_CHUNK_CHANGES,
     SEGMENT_ELEMS,
-    Bits,
     EncodedSegment,
     encode_segment,
     pack_chunk,
 )
+from swarm.delta.device import device_bits, encode_segment_on_device
 from swarm.delta.dtypes import BIT_FORMATS, bits_view
 from swarm.delta.state import layout_of, state_root_of
 from swarm.errors import LocalProtocolError
@@ -42,6 +43,7 @@ from swarm.identity import Identity
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT_BUCKETS = 2
+ENGINES = ("auto", "c", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +60,18 @@ class EncoderConfig:
     """Worker threads encoding segments (default: every core)."""
     piece_size: int = DEFAULT_PIECE_SIZE
     """Piece size of the state roots in the manifest."""
+    engine: str = "auto"
+    """Where changes are found: ``"c"`` (the C kernels, CPU tensors), ``"torch"`` (torch
+    ops on the tensors' device, see :mod:`swarm.delta.device`) or ``"auto"`` (C for CPU
+    states, torch for states on another device). Chunks are the same bytes either way."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.segment_elems <= SEGMENT_ELEMS:
             raise ValueError(f"segment_elems must be in [1, {SEGMENT_ELEMS}]")
         if self.chunk_target < 1 or self.bucket_bytes < 1:
             raise ValueError("chunk_target and bucket_bytes must be positive")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +100,17 @@ class _Plan:
         self.layout = layout_of(new)
         if layout_of(old) != self.layout:
             raise LocalProtocolError("old and new states have different layouts")
-        self.old = [bits_view(t, n) for n, t in old.items()]
-        self.new = [bits_view(t, n) for n, t in new.items()]
+        devices = {t.device for t in (*old.values(), *new.values())}
+        if len(devices) > 1:
+            raise LocalProtocolError(f"old and new states span devices {sorted(map(str, devices))}")
+        on_cpu = not devices or next(iter(devices)).type == "cpu"
+        if config.engine == "c" and not on_cpu:
+            raise LocalProtocolError("the C engine reads CPU tensors; use engine 'auto' or "
+                                     "'torch' for states on a device")
+        self.on_device = config.engine == "torch" or not on_cpu
+        view = device_bits if self.on_device else bits_view
+        self.old: list[Any] = [view(t, n) for n, t in old.items()]
+        self.new: list[Any] = [view(t, n) for n, t in new.items()]
         self.buckets: list[list[_Segment]] = []
         bucket: list[_Segment] = []
         size = 0
@@ -111,8 +128,10 @@ class _Plan:
     def encode(self, seg: _Segment) -> EncodedSegment | None:
         fmt = BIT_FORMATS[self.layout.tensors[seg.tensor].dtype]
         end = seg.start + seg.count
-        old: Bits = self.old[seg.tensor][seg.start:end]
-        new: Bits = self.new[seg.tensor][seg.start:end]
+        old = self.old[seg.tensor][seg.start:end]
+        new = self.new[seg.tensor][seg.start:end]
+        if self.on_device:
+            return encode_segment_on_device(old, new, fmt, seg.tensor, seg.start)
         return encode_segment(old, new, fmt, seg.tensor, seg.start)
 
     def submit(self, pool: ThreadPoolExecutor, index: int) -> list[Future[EncodedSegment | None]]:
@@ -168,8 +187,8 @@ async def iter_delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, t
                             config: EncoderConfig | None = None) -> AsyncIterator[DeltaChunk]:
     """Finished chunks of the delta ``old -> new``, in state order, as they are ready.
 
-    :raises LocalProtocolError: the states' layouts differ, or a tensor is not a
-        contiguous CPU tensor of a supported dtype.
+    :raises LocalProtocolError: the states' layouts differ, they span devices, or a
+        tensor is not contiguous or of a supported dtype.
     """
     cfg = config or EncoderConfig()
     plan = _Plan(old, new, cfg)

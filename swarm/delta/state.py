@@ -42,10 +42,20 @@ def byte_views(state: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
 def piece_ids_of_state(state: Mapping[str, torch.Tensor],
                        piece_size: int = DEFAULT_PIECE_SIZE,
                        threads: int | None = None) -> list[bytes]:
-    """BLAKE3 ids of every piece of the state, hashed on every core."""
+    """BLAKE3 ids of every piece of the state, hashed on every core.
+
+    Tensors on another device (a GPU) are copied to the host one at a time to be hashed.
+    """
     layout = layout_of(state)
-    views = [v.data for v in byte_views(state)]
-    return piece_ids_of(views, layout, piece_size, threads=threads)
+    if all(t.device.type == "cpu" for t in state.values()):
+        views = [v.data for v in byte_views(state)]
+        return piece_ids_of(views, layout, piece_size, threads=threads)
+    ids: list[bytes] = []
+    for spec, (name, t) in zip(layout, state.items(), strict=True):
+        host = t if t.device.type == "cpu" else t.detach().cpu()
+        ids += piece_ids_of([byte_view(host, name).data], StateLayout((spec,)), piece_size,
+                            threads=threads)
+    return ids
 
 
 def state_root_of(state: Mapping[str, torch.Tensor], piece_size: int = DEFAULT_PIECE_SIZE,

@@ -1,0 +1,126 @@
+"""The torch-ops engine (extraction on the tensors' own device) gives the C engine's bytes.
+
+This machine has no GPU, so the torch engine runs here on CPU tensors (``engine="torch"``):
+the same integer ops a CUDA state runs, checked byte for byte against the C kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_delta_codec import SMALL, make_pair
+from test_delta_helpers import TORCH_DTYPES, clone_state, gaussian_bf16_pair, same_bits
+
+from swarm.delta import EncoderConfig, Patcher, delta_chunks, encode_delta_sync, state_root_of
+from swarm.delta.device import device_bits, scan_segment
+from swarm.delta.dtypes import BIT_FORMATS
+from swarm.errors import LocalProtocolError
+from swarm.identity import Identity
+
+pytestmark = pytest.mark.timeout(240)
+
+TORCH = EncoderConfig(segment_elems=97, chunk_target=300, bucket_bytes=1000, threads=2,
+                      engine="torch")
+IDENTITY = Identity.from_seed(b"\x0d" * 32)
+
+
+def _same_chunks(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                 c_cfg: EncoderConfig, t_cfg: EncoderConfig) -> int:
+    c = [(x.cid, x.data) for x in delta_chunks(old, new, c_cfg)]
+    t = [(x.cid, x.data) for x in delta_chunks(old, new, t_cfg)]
+    assert t == c
+    return len(c)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(sorted(TORCH_DTYPES)),
+       n=st.integers(1, 400),
+       mode=st.sampled_from(["empty", "dense", "sparse", "ulp", "specials"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_torch_engine_chunks_are_the_c_engines_bytes(dtype: str, n: int, mode: str,
+                                                     seed: int) -> None:
+    old, new = make_pair(dtype, n, mode, seed)
+    _same_chunks(old, new, SMALL, TORCH)
+
+
+@pytest.mark.parametrize("dtype", sorted(TORCH_DTYPES))
+def test_every_dtype_with_specials_matches(dtype: str) -> None:
+    old, new = make_pair(dtype, 301, "specials", 3)
+    assert _same_chunks(old, new, SMALL, TORCH) > 0
+
+
+def test_weight_like_state_matches_and_patches_to_the_target_root() -> None:
+    old, new = gaussian_bf16_pair(1 << 16, 0.012, seed=4)
+    big_c = EncoderConfig(segment_elems=1 << 14, chunk_target=300, threads=2)
+    big_t = EncoderConfig(segment_elems=1 << 14, chunk_target=300, threads=2,
+                          engine="torch")
+    assert _same_chunks(old, new, big_c, big_t) > 1
+    signed, chunks = encode_delta_sync(old, new, IDENTITY, "run", 2, config=big_t)
+    state = clone_state(old)
+    patcher = Patcher(state, signed)
+    for c in reversed(chunks):
+        patcher.apply(c.cid, c.data)
+    patcher.finish()
+    assert same_bits(state, new)
+
+
+def test_scan_segment_ranks_within_classes() -> None:
+    fmt = BIT_FORMATS["bfloat16"]
+    old = torch.tensor([0x3F80, 0x4000, 0x3F81, 0x4001, 0x3F82], dtype=torch.int16)
+    new = old.clone()
+    new[2] += 1  # second element of class 0x7F
+    new[3] -= 1  # second element of class 0x80
+    found = scan_segment(old, new, fmt)
+    assert found is not None
+    cls, rank, diff = found
+    assert cls.tolist() == [0x7F, 0x80] and rank.tolist() == [1, 1]
+    assert diff.tolist() == [1, 0xFFFF]
+    assert scan_segment(old, old.clone(), fmt) is None
+
+
+def test_device_bits_refuses_a_strided_tensor() -> None:
+    t = torch.zeros(4, 4, dtype=torch.bfloat16).t()
+    with pytest.raises(LocalProtocolError, match="not contiguous"):
+        device_bits(t, "w")
+
+
+def test_c_engine_refuses_a_non_cpu_state_and_states_must_share_a_device() -> None:
+    old, new = gaussian_bf16_pair(256, 0.1, seed=1)
+    meta_old = {k: v.to("meta") for k, v in old.items()}
+    with pytest.raises(LocalProtocolError, match="C engine reads CPU tensors"):
+        list(delta_chunks(meta_old, {k: v.to("meta") for k, v in new.items()},
+                          EncoderConfig(engine="c")))
+    with pytest.raises(LocalProtocolError, match="span devices"):
+        list(delta_chunks(meta_old, new))
+
+
+def test_unknown_engine_is_refused() -> None:
+    with pytest.raises(ValueError, match="engine must be one of"):
+        EncoderConfig(engine="gpu")
+
+
+def test_root_of_a_state_is_hashed_per_tensor_off_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state whose tensors are not on the CPU is hashed one host copy at a time."""
+    old, _ = gaussian_bf16_pair(1 << 17, 0.0, seed=2)
+    want = state_root_of(old, piece_size=1 << 16)
+    copies: list[int] = []
+
+    class Remote(torch.Tensor):
+        """A CPU tensor that reports another device (stands in for a GPU tensor)."""
+
+        @property  # type: ignore[misc]
+        def device(self) -> torch.device:
+            return torch.device("meta")
+
+        def cpu(self, *args: object, **kwargs: object) -> torch.Tensor:
+            copies.append(int(self.numel()))
+            return torch.Tensor.clone(self.as_subclass(torch.Tensor))
+
+    remote = {k: v.as_subclass(Remote) for k, v in old.items()}
+    assert state_root_of(remote, piece_size=1 << 16) == want
+    assert sorted(copies) == sorted(int(v.numel()) for v in old.values())
+    assert np.all(np.asarray(copies) > 0)
