@@ -1,4 +1,5 @@
-"""The torch-ops engine (extraction on the tensors' own device) gives the C engine's bytes.
+"""The torch-ops engine (extraction and patching on the tensors' own device) agrees with
+the C engine: the same chunk bytes, the same positions, the same patched and reverted bits.
 
 This machine has no GPU, so the torch engine runs here on CPU tensors (``engine="torch"``):
 the same integer ops a CUDA state runs, checked byte for byte against the C kernels.
@@ -14,10 +15,19 @@ from hypothesis import strategies as st
 from test_delta_codec import SMALL, make_pair
 from test_delta_helpers import TORCH_DTYPES, clone_state, gaussian_bf16_pair, same_bits
 
-from swarm.delta import EncoderConfig, Patcher, delta_chunks, encode_delta_sync, state_root_of
+from swarm.delta import (
+    EncoderConfig,
+    Patcher,
+    decode_chunk,
+    delta_chunks,
+    encode_delta_sync,
+    layout_of,
+    state_root_of,
+)
+from swarm.delta.codec import state_views
 from swarm.delta.device import device_bits, scan_segment
 from swarm.delta.dtypes import BIT_FORMATS
-from swarm.errors import LocalProtocolError
+from swarm.errors import DecodeError, LocalProtocolError, SwarmError
 from swarm.identity import Identity
 
 pytestmark = pytest.mark.timeout(240)
@@ -124,3 +134,82 @@ def test_root_of_a_state_is_hashed_per_tensor_off_the_host(
     assert state_root_of(remote, piece_size=1 << 16) == want
     assert sorted(copies) == sorted(int(v.numel()) for v in old.values())
     assert np.all(np.asarray(copies) > 0)
+
+
+def _patch_with_torch(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor],
+                      config: EncoderConfig) -> None:
+    signed, chunks = encode_delta_sync(old, new, IDENTITY, "run", 3, config=config)
+    state = clone_state(old)
+    patcher = Patcher(state, signed, engine="torch")
+    for c in reversed(chunks):
+        patcher.apply(c.cid, c.data)
+    patcher.revert()
+    assert same_bits(state, old)
+    for c in chunks:
+        patcher.apply(c.cid, c.data)
+    patcher.finish()
+    assert same_bits(state, new)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from(sorted(TORCH_DTYPES)),
+       n=st.integers(1, 400),
+       mode=st.sampled_from(["empty", "dense", "sparse", "ulp", "specials"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_torch_engine_patches_and_reverts_every_dtype_exactly(dtype: str, n: int, mode: str,
+                                                               seed: int) -> None:
+    old, new = make_pair(dtype, n, mode, seed)
+    _patch_with_torch(old, new, SMALL)
+
+
+@pytest.mark.parametrize("dtype", sorted(TORCH_DTYPES))
+def test_torch_engine_places_changes_where_the_c_engine_does(dtype: str) -> None:
+    old, new = make_pair(dtype, 301, "specials", 5)
+    chunks = list(delta_chunks(old, new, SMALL))
+    layout = layout_of(old)
+    for c in chunks:
+        by_c = decode_chunk(c.data, layout, state_views(old, layout, "c"))
+        by_torch = decode_chunk(c.data, layout, state_views(old, layout, "torch"))
+        for a, b in zip(by_c.segments, by_torch.segments, strict=True):
+            assert (a.tensor, a.start) == (b.tensor, b.start)
+            assert np.array_equal(a.positions, b.positions)
+            assert np.array_equal(a.diffs, b.diffs)
+
+
+def test_torch_engine_refuses_a_chunk_that_does_not_fit_before_writing() -> None:
+    """Ranks past a class's population in this state: DecodeError, nothing written."""
+    old, new = gaussian_bf16_pair(1 << 14, 0.05, seed=6)
+    other = {k: torch.zeros_like(v) for k, v in old.items()}  # one class only
+    layout = layout_of(old)
+    chunk = next(iter(delta_chunks(old, new, EncoderConfig(segment_elems=4096))))
+    views = state_views(other, layout, "torch")
+    with pytest.raises(DecodeError, match="past its class population"):
+        decode_chunk(chunk.data, layout, views)
+    assert all(not v.any() for v in other.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(pos=st.integers(0, 10**9), xor=st.integers(1, 255), cut=st.integers(0, 10**9))
+def test_fuzzed_chunks_never_crash_or_write_on_the_torch_engine(pos: int, xor: int,
+                                                                cut: int) -> None:
+    old, new = gaussian_bf16_pair(4096, 0.05, seed=2)
+    data = next(iter(delta_chunks(old, new, EncoderConfig(segment_elems=1024)))).data
+    mutated = bytearray(data)
+    mutated[pos % len(data)] ^= xor
+    layout = layout_of(old)
+    for cand in (bytes(mutated), bytes(mutated[: cut % len(data)])):
+        state = clone_state(old)
+        try:
+            decode_chunk(cand, layout, state_views(state, layout, "torch"))
+        except SwarmError as exc:
+            assert isinstance(exc, DecodeError)
+        assert same_bits(state, old)
+
+
+def test_c_engine_refuses_to_patch_a_non_cpu_state_and_engines_are_checked() -> None:
+    old, _ = gaussian_bf16_pair(256, 0.1, seed=1)
+    layout = layout_of(old)
+    with pytest.raises(LocalProtocolError, match="C engine patches CPU tensors"):
+        state_views({k: v.to("meta") for k, v in old.items()}, layout, "c")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        state_views(old, layout, "gpu")

@@ -35,7 +35,7 @@ import zstandard
 
 from swarm.content.layout import StateLayout
 from swarm.content.manifest import MAX_CHUNK_BYTES
-from swarm.delta import _xg
+from swarm.delta import _xg, device
 from swarm.delta.dtypes import BIT_FORMATS, BitFormat, bits_view
 from swarm.errors import DecodeError, LocalProtocolError
 from swarm.wire import strict
@@ -46,9 +46,12 @@ CHUNK_TARGET = 1 << 20
 MAX_SEGMENTS = 1 << 16
 MAX_CHUNK_CHANGES = 1 << 24  # bounds decode memory (about 14 bytes per change)
 ZSTD_LEVEL = 1
+ENGINES = ("auto", "c", "torch")
 _GAP_BITS_MAX = _xg.RICE_QMAX + 32
 
 Bits = np.ndarray
+StateView = np.ndarray | torch.Tensor
+"""A tensor's elements as bits: a numpy view (C kernels) or a device view (torch ops)."""
 
 _local = threading.local()
 
@@ -119,6 +122,18 @@ def encode_segment(old: Bits, new: Bits, fmt: BitFormat, tensor: int, start: int
     if k == 0:
         return None
     return encode_changes(cls, rank, d, int(k), fmt, tensor, start, n)
+
+
+def encode_device_segment(old: torch.Tensor, new: torch.Tensor, fmt: BitFormat, tensor: int,
+                          start: int) -> EncodedSegment | None:
+    """:func:`encode_segment` for views of :func:`swarm.delta.device.device_bits` (changes
+    found on the tensors' device): the same bytes."""
+    found = device.scan_segment(old, new, fmt)
+    if found is None:
+        return None
+    cls, rank, diff = found
+    return encode_changes(cls, rank, diff, int(cls.shape[0]), fmt, tensor, start,
+                          int(old.shape[0]))
 
 
 def encode_changes(cls: np.ndarray, rank: np.ndarray, d: np.ndarray, k: int, fmt: BitFormat,
@@ -212,7 +227,7 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> list[list[object]]:
     return segs
 
 
-def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
+def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[StateView]
                    ) -> SegmentChange:
     """Decode one parsed segment against the current (old) values; writes nothing."""
     tensor, start, count, changes = (int(x) for x in seg[:4])  # type: ignore[call-overload]
@@ -247,8 +262,11 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
     err = _xg.decode_values(signs, mag_bytes, changes, diffs)
     if err:
         raise DecodeError(f"chunk: bad sign/magnitude stream (code {err})")
-    pos = np.empty(changes, np.uint32)
     old = views[tensor][start:start + count]
+    if isinstance(old, torch.Tensor):
+        pos = device.locate_segment(old, fmt, class_start, class_end, gapv)
+        return SegmentChange(tensor, start, pos, diffs)
+    pos = np.empty(changes, np.uint32)
     err = _xg.locate(old, fmt.shift, fmt.emask, class_start, class_end, gapv, pos)
     if err:
         raise DecodeError("chunk: a change's rank is past its class population")
@@ -256,7 +274,8 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[Bits]
 
 
 def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
-                 views: Sequence[Bits], executor: Executor | None = None) -> AppliedChunk:
+                 views: Sequence[StateView], executor: Executor | None = None
+                 ) -> AppliedChunk:
     """Decode and check a whole chunk against the state's current values; writes nothing.
 
     With ``executor``, segments are decoded in parallel on its threads.
@@ -283,12 +302,16 @@ def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
     return AppliedChunk(tuple(out), names)
 
 
-def _apply(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk, negate: bool,
+def _apply(layout: StateLayout, views: Sequence[StateView], chunk: AppliedChunk, negate: bool,
            executor: Executor | None) -> None:
     def one(s: SegmentChange) -> None:
         fmt = BIT_FORMATS[layout.tensors[s.tensor].dtype]
-        _xg.apply_diffs(views[s.tensor][s.start:], s.positions, s.diffs, int(fmt.signbit),
-                        int(fmt.full), negate)
+        view = views[s.tensor]
+        if isinstance(view, torch.Tensor):
+            device.apply_segment(view, s.start, s.positions, s.diffs, fmt, negate)
+        else:
+            _xg.apply_diffs(view[s.start:], s.positions, s.diffs, int(fmt.signbit),
+                            int(fmt.full), negate)
 
     # segments of a chunk cover disjoint elements: any order, any thread
     if executor is not None and len(chunk.segments) > 1:
@@ -299,29 +322,42 @@ def _apply(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk, nega
             one(s)
 
 
-def apply_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
+def apply_decoded(layout: StateLayout, views: Sequence[StateView], chunk: AppliedChunk,
                   executor: Executor | None = None) -> None:
     """Write a decoded chunk's changes into the state (views of its tensors); with
     ``executor``, segments are written in parallel on its threads."""
     _apply(layout, views, chunk, False, executor)
 
 
-def revert_decoded(layout: StateLayout, views: Sequence[Bits], chunk: AppliedChunk,
+def revert_decoded(layout: StateLayout, views: Sequence[StateView], chunk: AppliedChunk,
                    executor: Executor | None = None) -> None:
     """Undo :func:`apply_decoded` exactly."""
     _apply(layout, views, chunk, True, executor)
 
 
-def state_views(state: Mapping[str, torch.Tensor], layout: StateLayout) -> list[Bits]:
-    """Writable bit views of every tensor, checked against ``layout``.
+def state_views(state: Mapping[str, torch.Tensor], layout: StateLayout,
+                engine: str = "auto") -> list[StateView]:
+    """Writable bit views of every tensor, checked against ``layout``: numpy views of CPU
+    tensors for the C kernels, or (``engine="torch"``, or tensors on another device)
+    :func:`swarm.delta.device.device_bits` views patched with torch ops.
 
-    :raises LocalProtocolError: the state does not match the layout.
+    :raises LocalProtocolError: the state does not match the layout, or the C engine was
+        asked for tensors that are not on the CPU.
     """
     from swarm.delta.state import layout_of
 
     if layout_of(state) != layout:
         raise LocalProtocolError("the state does not match the delta's layout")
-    return [bits_view(t, name) for name, t in state.items()]
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
+    on_cpu = all(t.device.type == "cpu" for t in state.values())
+    if engine == "c" and not on_cpu:
+        raise LocalProtocolError("the C engine patches CPU tensors; use engine 'auto' or "
+                                 "'torch' for a state on a device")
+    if engine == "torch" or not on_cpu:
+        return [device.device_bits(t, name) for name, t in state.items()]
+    views: list[StateView] = [bits_view(t, name) for name, t in state.items()]
+    return views
 
 
 def apply_chunk(state: Mapping[str, torch.Tensor], data: bytes | bytearray | memoryview,

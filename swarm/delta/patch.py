@@ -39,9 +39,12 @@ class Patcher:
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], signed: SignedManifest, *,
-                 current_root: bytes | None = None, executor: Executor | None = None) -> None:
+                 current_root: bytes | None = None, executor: Executor | None = None,
+                 engine: str = "auto") -> None:
         """``current_root`` skips hashing when the caller knows the state's root;
-        ``executor`` decodes a chunk's segments in parallel.
+        ``executor`` decodes a chunk's segments in parallel; ``engine`` is where ranks
+        become positions and changes are written: ``"c"`` (CPU states), ``"torch"`` (torch
+        ops on the state's device) or ``"auto"`` (C on the CPU, torch elsewhere).
 
         :raises IntegrityError: wrong layout or base root.
         :raises LocalProtocolError: not a delta manifest of this codec."""
@@ -58,7 +61,7 @@ class Patcher:
                                  f"{hex_id(m.base_root or b'', True)}")
         self._state = state
         self._manifest = m
-        self._views = state_views(state, self._layout)
+        self._views = state_views(state, self._layout, engine)
         self._sizes = dict(m.chunks)
         self._applied: list[AppliedChunk] = []
         self._done: set[bytes] = set()

@@ -28,13 +28,15 @@ from swarm.content.pieces import DEFAULT_PIECE_SIZE
 from swarm.delta.codec import (
     CHUNK_TARGET,
     CODEC_NAME,
+    ENGINES,
     MAX_CHUNK_CHANGES,
     SEGMENT_ELEMS,
     EncodedSegment,
+    encode_device_segment,
     encode_segment,
     pack_chunk,
 )
-from swarm.delta.device import device_bits, encode_segment_on_device
+from swarm.delta.device import device_bits
 from swarm.delta.dtypes import BIT_FORMATS, bits_view
 from swarm.delta.state import layout_of, state_root_of
 from swarm.errors import LocalProtocolError
@@ -43,7 +45,6 @@ from swarm.identity import Identity
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT_BUCKETS = 2
-ENGINES = ("auto", "c", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +132,7 @@ class _Plan:
         old = self.old[seg.tensor][seg.start:end]
         new = self.new[seg.tensor][seg.start:end]
         if self.on_device:
-            return encode_segment_on_device(old, new, fmt, seg.tensor, seg.start)
+            return encode_device_segment(old, new, fmt, seg.tensor, seg.start)
         return encode_segment(old, new, fmt, seg.tensor, seg.start)
 
     def submit(self, pool: ThreadPoolExecutor, index: int) -> list[Future[EncodedSegment | None]]:
