@@ -1,8 +1,9 @@
 """The torch-ops engine (extraction and patching on the tensors' own device) agrees with
 the C engine: the same chunk bytes, the same positions, the same patched and reverted bits.
 
-This machine has no GPU, so the torch engine runs here on CPU tensors (``engine="torch"``):
-the same integer ops a CUDA state runs, checked byte for byte against the C kernels.
+Without a GPU the torch engine runs on CPU tensors (``engine="torch"``): the same integer
+ops a CUDA state runs, checked byte for byte against the C kernels. Where CUDA is present,
+the tests marked with ``DEVICES`` also run on states moved to the GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from swarm.identity import Identity
 
 pytestmark = pytest.mark.timeout(240)
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 TORCH = EncoderConfig(segment_elems=97, chunk_target=300, bucket_bytes=1000, threads=2,
                       engine="torch")
 IDENTITY = Identity.from_seed(b"\x0d" * 32)
@@ -62,19 +64,28 @@ def test_every_dtype_with_specials_matches(dtype: str) -> None:
     assert _same_chunks(old, new, SMALL, TORCH) > 0
 
 
-def test_weight_like_state_matches_and_patches_to_the_target_root() -> None:
+def _on(state: dict[str, torch.Tensor], dev: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(dev) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_weight_like_state_matches_and_patches_to_the_target_root(dev: str) -> None:
     old, new = gaussian_bf16_pair(1 << 16, 0.012, seed=4)
     big_c = EncoderConfig(segment_elems=1 << 14, chunk_target=300, threads=2)
     big_t = EncoderConfig(segment_elems=1 << 14, chunk_target=300, threads=2,
                           engine="torch")
-    assert _same_chunks(old, new, big_c, big_t) > 1
-    signed, chunks = encode_delta_sync(old, new, IDENTITY, "run", 2, config=big_t)
-    state = clone_state(old)
-    patcher = Patcher(state, signed)
-    for c in reversed(chunks):
-        patcher.apply(c.cid, c.data)
+    c = [x.data for x in delta_chunks(old, new, big_c)]
+    assert [x.data for x in delta_chunks(_on(old, dev), _on(new, dev), big_t)] == c
+    assert len(c) > 1
+    signed, chunks = encode_delta_sync(_on(old, dev), _on(new, dev), IDENTITY, "run", 2,
+                                       config=big_t)
+    assert signed.manifest.target_root == state_root_of(new)
+    state = _on(old, dev)
+    patcher = Patcher(state, signed, engine="torch")
+    for ch in reversed(chunks):
+        patcher.apply(ch.cid, ch.data)
     patcher.finish()
-    assert same_bits(state, new)
+    assert same_bits(_on(state, "cpu"), new)
 
 
 def test_scan_segment_ranks_within_classes() -> None:

@@ -17,6 +17,8 @@ barely supports, are avoided (views are signed and masked).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
@@ -25,6 +27,9 @@ from swarm.errors import DecodeError, LocalProtocolError
 
 _VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _VIEW_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+# A sort holds about 18 bytes of device memory per element of its segment; device work
+# is serialized on the device anyway, so more encoder threads only add memory.
+_DEVICE_SLOTS = threading.BoundedSemaphore(2)
 
 
 def device_bits(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
@@ -81,7 +86,12 @@ def scan_segment(old: torch.Tensor, new: torch.Tensor, fmt: BitFormat
     Returns host arrays (class uint16, rank within the class uint32, key difference
     ``fmt.uint``), in element order within each class; None when nothing changed.
     """
-    n = old.shape[0]
+    with _DEVICE_SLOTS:
+        return _scan(old, new, fmt)
+
+
+def _scan(old: torch.Tensor, new: torch.Tensor, fmt: BitFormat
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     changed = old != new
     if fmt.nclass == 1:
         idx = torch.nonzero(changed).squeeze(1)
@@ -100,8 +110,6 @@ def scan_segment(old: torch.Tensor, new: torch.Tensor, fmt: BitFormat
         cls_full = ordered[slots]
         rank = (slots - first[cls_full]).to(torch.int32)
         cls = cls_full.to(torch.int16)
-    if n > np.iinfo(np.uint32).max:
-        raise LocalProtocolError("a segment holds at most 2**32 - 1 elements")
     u = fmt.uint
     before = _host(old[idx], u)
     after = _host(new[idx], u)
@@ -129,6 +137,12 @@ def locate_segment(old: torch.Tensor, fmt: BitFormat, class_start: np.ndarray,
         if k and int(ranks[-1]) >= old.shape[0]:
             raise DecodeError("chunk: a change's rank is past its class population")
         return ranks.astype(np.uint32)
+    with _DEVICE_SLOTS:
+        return _place(old, fmt, cls, ranks)
+
+
+def _place(old: torch.Tensor, fmt: BitFormat, cls: np.ndarray, ranks: np.ndarray
+           ) -> np.ndarray:
     _, order, first = _class_order(old, fmt)
     c_d = torch.from_numpy(cls).to(old.device)
     slot = first[c_d] + torch.from_numpy(ranks).to(old.device)
