@@ -136,3 +136,33 @@ async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> No
         assert len(trainer.manifests) == 3 and trainer.driver.objects <= kept
         assert len(peer.driver.objects) <= 2
         assert peer.root == state_root_of(inference_state(master), PIECE)
+
+
+async def test_trainer_diffing_on_the_device_publishes_the_host_trainers_chunks(
+        tmp_path: Path) -> None:
+    """``extract_on="device"`` (torch ops where the tensors live; CPU tensors here) gives
+    the same chunks and roots as the host path, also across a restart."""
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.001), seed=4)
+    master = build_model(CFG)
+    states = [inference_state(master)]
+    for step in (1, 2, 3):
+        _nudge(master, step)
+        states.append(inference_state(master))
+
+    async def publish_all(mode: str, d: Path, upto: int, start: int = 0
+                          ) -> list[tuple[bytes | None, list[bytes]]]:
+        ident = Identity.from_seed(mode[:1].encode() * 32)
+        async with net.transport(ident) as tnet, TrainerNode(
+                ident, tnet, TrainerConfig(run="t", data_dir=d, piece_size=PIECE,
+                                           extract_on=mode)) as trainer:
+            out = []
+            for s in states[start:upto]:
+                m = (await trainer.publish(s)).manifest.manifest
+                out.append((m.target_root, [cid for cid, _ in m.chunks]))
+            return out
+
+    host = await publish_all("host", tmp_path / "h", 4)
+    device = await publish_all("device", tmp_path / "d", 3)
+    device += await publish_all("device", tmp_path / "d", 4, start=3)  # restarted
+    assert device == host
+    assert all(chunks for _, chunks in host)

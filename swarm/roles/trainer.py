@@ -76,6 +76,15 @@ class TrainerConfig:
     """Delta objects kept for catch-up (older peers refetch the state pieces)."""
     exchange: ExchangeConfig = field(default_factory=lambda: ExchangeConfig(
         unchoke_all=True, super_seed=True))
+    extract_on: str = "host"
+    """``"host"``: diff the host copies of the versions (C kernels). ``"device"``: keep the
+    previous version where the published tensors live (one more copy of the state on the
+    GPU) and diff there with torch ops, so only changes cross to the host for coding. The
+    host copy is still made, for roots, keyframes and the saved state."""
+
+    def __post_init__(self) -> None:
+        if self.extract_on not in ("host", "device"):
+            raise ValueError("extract_on must be 'host' or 'device'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +119,8 @@ class TrainerNode(NodeBase):
             store=self.state_db, snapshot=book, now=time.time())
         self.manifests: deque[SignedManifest] = deque(maxlen=config.keep_versions + 1)
         self._state: dict[str, torch.Tensor] | None = None
+        #: The last published version on its own device (``extract_on="device"``).
+        self._device_state: dict[str, torch.Tensor] | None = None
         self._root: bytes | None = None
         self._keyframe: SignedManifest | None = None
         self._accepted: asyncio.Queue[Accepted] = asyncio.Queue()
@@ -207,6 +218,9 @@ class TrainerNode(NodeBase):
             # keep rising, so peers holding an older version take this one.
             step = self.leases.latest_version + 1
         snapshot = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+        on_device = None
+        if self.config.extract_on == "device":
+            on_device = {k: v.detach().contiguous().clone() for k, v in state.items()}
         dense = layout_of(snapshot).nbytes
         now_ms = int(time.time() * 1000)
         if self._state is None:
@@ -217,14 +231,18 @@ class TrainerNode(NodeBase):
             root = sm.manifest.target_root
         else:
             root = await asyncio.to_thread(state_root_of, snapshot, self.config.piece_size)
+            # the previous version on the device is missing after a restart: diff on the host
+            old, new, engine = ((self._device_state, on_device, "torch")
+                                if on_device is not None and self._device_state is not None
+                                else (self._state, snapshot, "auto"))
             sm, chunks = await encode_delta(
-                self._state, snapshot, self.identity, self.config.run, step,
+                old, new, self.identity, self.config.run, step,
                 config=EncoderConfig(piece_size=self.config.piece_size,
-                                     chunk_target=self.config.chunk_target),
+                                     chunk_target=self.config.chunk_target, engine=engine),
                 base_root=self._root, target_root=root, time_ms=now_ms)
             data = {i: c.data for i, c in enumerate(chunks)}
         await asyncio.to_thread(self._persist, sm, data, snapshot)
-        self._state, self._root = snapshot, root
+        self._state, self._root, self._device_state = snapshot, root, on_device
         self.manifests.append(sm)
         self._retain()
         if sm.manifest.chunks:
