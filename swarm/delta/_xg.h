@@ -43,6 +43,15 @@ int xg_locate16_simd(const uint16_t *old, int64_t n, unsigned shift, unsigned em
                      const int64_t *class_start, const int64_t *class_end, int nclass,
                      const int64_t *gaps, uint32_t *pos);
 
+/* xg_locate16_simd that also writes each change in place as it is placed:
+ * ``arr[pos] = unkey(key(arr[pos]) + diffs[slot])``, the key difference of slot ``slot``.
+ * When a class runs out of elements (1), every change written is undone first: ``arr`` is
+ * as it was. */
+int xg_locate_apply16_simd(uint16_t *arr, int64_t n, unsigned shift, unsigned emask,
+                           const int64_t *class_start, const int64_t *class_end, int nclass,
+                           const int64_t *gaps, uint32_t *pos, const uint16_t *diffs,
+                           uint16_t signbit, uint16_t full);
+
 /* Reads two buffers of ``nwords`` 64-bit words once, as fast as this CPU reads memory, and
  * returns a fold of them (its value only keeps the reads from being optimized away). The
  * benchmark's floor for extraction, which must read old and new. */
