@@ -55,13 +55,21 @@ static inline int xg_ctz64(uint64_t x) { return __builtin_ctzll(x); }
 
 #if defined(__GNUC__) || defined(__clang__)
 #define XG_RARELY(c) __builtin_expect(!!(c), 0)
+#define XG_LIKELY(c) __builtin_expect(!!(c), 1)
 #define XG_PREFETCH(p) __builtin_prefetch(p)
 #define XG_PREFETCH_W(p) __builtin_prefetch((p), 1)
 #else
 #define XG_RARELY(c) (c)
+#define XG_LIKELY(c) (c)
 #define XG_PREFETCH(p) ((void)(p))
 #define XG_PREFETCH_W(p) ((void)(p))
 #endif
+
+static inline uint64_t xg_bswap64(uint64_t x) {
+    x = ((x & 0x00FF00FF00FF00FFu) << 8) | ((x >> 8) & 0x00FF00FF00FF00FFu);
+    x = ((x & 0x0000FFFF0000FFFFu) << 16) | ((x >> 16) & 0x0000FFFF0000FFFFu);
+    return (x << 32) | (x >> 32);
+}
 
 /* Whether the 2-byte kernels may take the SIMD paths (set_simd); read under the GIL. */
 static int use_simd = 1;
@@ -212,73 +220,104 @@ XG_DEFINE_DISPATCH(int64_t, scan_u16, XG_SCAN_CALL, 7, 0xFF, 10, 0x1F, XG_SCAN_P
 XG_DEFINE_DISPATCH(int64_t, scan_u32, XG_SCAN_CALL, 23, 0xFF, 0, 0, XG_SCAN_PARAMS(uint32_t))
 XG_DEFINE_DISPATCH(int64_t, scan_u64, XG_SCAN_CALL, 52, 0x7FF, 0, 0, XG_SCAN_PARAMS(uint64_t))
 
-/* Rice parameter of one class: the cheapest of five around log2 of the mean gap. Gaps
- * are < 2**32 (ranks are uint32 and increase within a class). */
-static int rice_param(const uint32_t *gapv, int64_t c) {
-    int64_t total = 0, cost[RICE_KMAX + 1];
-    for (int64_t p = 0; p < c; p++) total += gapv[p];
+/* Rice parameter of one class of ``c`` > 0 gaps summing to ``total``: the cheapest of five
+ * around log2 of the mean gap. Gaps are < 2**32 (ranks are uint32 and increase within a
+ * class). The cost of parameter kk is the sum over gaps of q + 1 + kk (q = gap >> kk), or
+ * RICE_QMAX + 32 for a gap whose q is RICE_QMAX or more. One pass: a gap that does not
+ * escape at the smallest candidate lo escapes at none, and its five costs follow from
+ * h = gap >> lo < RICE_QMAX (q = h >> (kk - lo)), so those gaps are only counted per h (four
+ * rows of counts, so that increments of one h do not wait on each other); the few others
+ * (about 2% on trained weights) add their five costs directly. */
+static int rice_param(const uint32_t *restrict gapv, int64_t c, int64_t total) {
     int k0 = 0;
     while (k0 < RICE_KMAX && (c << (k0 + 1)) <= total) k0++;
     int lo = k0 - 2 < 0 ? 0 : k0 - 2, hi = k0 + 2 > RICE_KMAX ? RICE_KMAX : k0 + 2;
-    for (int kk = lo; kk <= hi; kk++) {
-        /* 32-bit partial sums over blocks of 2**20 gaps (a code is at most 56 bits), so
-         * that the loop vectorizes */
-        int64_t sum = 0;
-        for (int64_t b0 = 0; b0 < c; b0 += (int64_t)1 << 20) {
-            int64_t b1 = c - b0 < ((int64_t)1 << 20) ? c : b0 + ((int64_t)1 << 20);
-            uint32_t part = 0;
-            for (int64_t p = b0; p < b1; p++) {
-                uint32_t q = gapv[p] >> kk;
-                part += q < RICE_QMAX ? 1 + (uint32_t)kk + q : RICE_QMAX + 32;
-            }
-            sum += part;
-        }
-        cost[kk] = sum;
+    const unsigned l0 = (unsigned)lo;
+    int64_t cost[5] = {0, 0, 0, 0, 0};
+    int64_t h[4][RICE_QMAX];
+    memset(h, 0, sizeof h);
+    int64_t i = 0;
+#define XG_H(R, I)                                                                          \
+    do {                                                                                    \
+        uint32_t g_ = gapv[I], q_ = g_ >> l0;                                               \
+        if (XG_LIKELY(q_ < RICE_QMAX)) h[R][q_]++;                                          \
+        else for (unsigned t = 0; t < 5; t++) {                                             \
+            uint32_t u_ = g_ >> (l0 + t);                                                   \
+            cost[t] += u_ < RICE_QMAX ? u_ + 1 + l0 + t : RICE_QMAX + 32;                   \
+        }                                                                                   \
+    } while (0)
+    for (; i + 4 <= c; i += 4) { XG_H(0, i); XG_H(1, i + 1); XG_H(2, i + 2); XG_H(3, i + 3); }
+    for (; i < c; i++) XG_H(0, i);
+#undef XG_H
+    for (unsigned q = 0; q < RICE_QMAX; q++) {
+        int64_t n = h[0][q] + h[1][q] + h[2][q] + h[3][q];
+        for (unsigned t = 0; t < 5; t++) cost[t] += n * (int64_t)((q >> t) + 1 + l0 + t);
     }
     int best = lo;
     for (int kk = lo + 1; kk <= hi; kk++)
-        if (cost[kk] < cost[best]) best = kk;
+        if (cost[kk - lo] < cost[best - lo]) best = kk;
     return best;
 }
 
-/* In class order (change ``order[p]`` at slot p, ``ccount`` per class): the rank gaps
- * ``gapv``, and the sign bits and escaped u8 magnitudes of the key differences; returns
- * the magnitude bytes written. */
+/* Sign bits and escaped u8 magnitudes of the key differences ``ds`` (in class order;
+ * overwritten); returns the magnitude bytes written. A first pass (that vectorizes) turns
+ * the differences into magnitude - 1 (``ds``), its byte capped at ESCAPE (``mb``) and the
+ * sign (``sg``, 0 or 1); then eight changes go at once when none of them escapes. */
 #define XG_DEFINE_VALUES(NAME, T, W)                                                       \
-    static int64_t NAME(const T *restrict d, const uint32_t *restrict rank,                \
-                        const uint32_t *restrict order, const int64_t *restrict ccount,    \
-                        int64_t nclass, uint32_t *restrict gapv,                           \
-                        uint8_t *restrict signs_out, uint8_t *restrict mags_out) {         \
-        const T half = (T)((T)1 << (8 * W - 1));                                           \
+    static int64_t NAME(T *restrict ds, int64_t k, uint8_t *restrict mb,                   \
+                        uint8_t *restrict sg, uint8_t *restrict signs_out,                 \
+                        uint8_t *restrict mags_out) {                                      \
+        for (int64_t p = 0; p < k; p++) {                                                  \
+            T dd = ds[p];                                                                  \
+            T neg = (T)(dd >> (8 * W - 1));                                                \
+            T mm = (T)((neg ? (T)(0 - dd) : dd) - 1);                                      \
+            ds[p] = mm;                                                                    \
+            mb[p] = (uint8_t)(mm < ESCAPE ? mm : ESCAPE);                                  \
+            sg[p] = (uint8_t)neg;                                                          \
+        }                                                                                  \
+        const uint64_t ones = 0x0101010101010101u, highs = 0x8080808080808080u;            \
         int64_t m = 0, p = 0;                                                              \
-        unsigned sbyte = 0;                                                                \
-        for (int64_t e = 0; e < nclass; e++) {                                             \
-            int64_t prev = -1;                                                             \
-            for (int64_t end = p + ccount[e]; p < end; p++) {                              \
-                uint32_t j = order[p];                                                     \
-                int64_t r = rank[j];                                                       \
-                gapv[p] = (uint32_t)(r - prev - 1);                                        \
-                prev = r;                                                                  \
-                T dd = d[j];                                                               \
-                unsigned neg = (dd & half) != 0;                                           \
-                T mag = neg ? (T)(0 - dd) : dd;                                            \
-                T mm = (T)(mag - 1);                                                       \
-                sbyte |= neg << (p & 7);                                                   \
-                if ((p & 7) == 7) {                                                        \
-                    signs_out[p >> 3] = (uint8_t)sbyte;                                    \
-                    sbyte = 0;                                                             \
-                }                                                                          \
+        for (; p + 8 <= k; p += 8) {                                                       \
+            uint64_t s8, m8;                                                               \
+            memcpy(&s8, sg + p, 8);                                                        \
+            memcpy(&m8, mb + p, 8);                                                        \
+            if (!XG_LITTLE) s8 = xg_bswap64(s8);                                           \
+            /* byte t of s8 (0 or 1) to bit t */                                           \
+            signs_out[p >> 3] = (uint8_t)((s8 * 0x0102040810204080u) >> 56);               \
+            uint64_t x = ~m8; /* a zero byte where m8 has ESCAPE */                       \
+            if (XG_LIKELY(((x - ones) & ~x & highs) == 0)) {                               \
+                memcpy(mags_out + m, &m8, 8);                                              \
+                m += 8;                                                                    \
+                continue;                                                                  \
+            }                                                                              \
+            for (int t = 0; t < 8; t++) {                                                  \
+                T mm = ds[p + t];                                                          \
                 if (mm < ESCAPE) {                                                         \
                     mags_out[m++] = (uint8_t)mm;                                           \
                 } else {                                                                   \
                     mags_out[m] = ESCAPE;                                                  \
-                    for (int t = 0; t < W; t++)                                            \
-                        mags_out[m + 1 + t] = (uint8_t)((uint64_t)mm >> (8 * t));          \
+                    for (int u = 0; u < W; u++)                                            \
+                        mags_out[m + 1 + u] = (uint8_t)((uint64_t)mm >> (8 * u));          \
                     m += 1 + W;                                                            \
                 }                                                                          \
             }                                                                              \
         }                                                                                  \
-        if (p & 7) signs_out[p >> 3] = (uint8_t)sbyte;                                     \
+        if (p < k) {                                                                       \
+            unsigned sbyte = 0;                                                            \
+            for (int t = 0; p + t < k; t++) {                                              \
+                T mm = ds[p + t];                                                          \
+                sbyte |= (unsigned)sg[p + t] << t;                                         \
+                if (mm < ESCAPE) {                                                         \
+                    mags_out[m++] = (uint8_t)mm;                                           \
+                } else {                                                                   \
+                    mags_out[m] = ESCAPE;                                                  \
+                    for (int u = 0; u < W; u++)                                            \
+                        mags_out[m + 1 + u] = (uint8_t)((uint64_t)mm >> (8 * u));          \
+                    m += 1 + W;                                                            \
+                }                                                                          \
+            }                                                                              \
+            signs_out[p >> 3] = (uint8_t)sbyte;                                            \
+        }                                                                                  \
         return m;                                                                          \
     }
 
@@ -287,95 +326,215 @@ XG_DEFINE_VALUES(values_u16, uint16_t, 2)
 XG_DEFINE_VALUES(values_u32, uint32_t, 4)
 XG_DEFINE_VALUES(values_u64, uint64_t, 8)
 
+/* The bit writer of rice_write: ``acc`` holds ``used`` < 8 pending bits between codes. */
+typedef struct {
+    uint64_t acc;
+    unsigned used;
+    int64_t pos;
+} xg_bits;
+
+/* Store the whole bytes of acc: 8 bytes at once where ``out`` has room, else byte by
+ * byte. */
+XG_INLINE void xg_flush(xg_bits *w, uint8_t *restrict out, int64_t cap) {
+    if (XG_LIKELY(w->pos + 8 <= cap)) {
+        uint64_t le = w->acc;
+        if (!XG_LITTLE) le = xg_bswap64(le);
+        memcpy(out + w->pos, &le, 8);
+    } else {
+        for (unsigned u = 0; u < w->used >> 3; u++)
+            out[w->pos + u] = (uint8_t)(w->acc >> (8 * u));
+    }
+    w->pos += w->used >> 3;
+    w->acc >>= w->used & ~7u;
+    w->used &= 7;
+}
+
+/* The code of gap ``g`` with parameter ``kb`` (its length in ``*nbits``): ((2r + 1) << q) - 1
+ * is q ones, a zero and the kb low bits r; an escape ((g + 1) << RICE_QMAX) - 1 is
+ * RICE_QMAX ones and g in 32 bits. */
+XG_INLINE uint64_t xg_code(uint64_t g, unsigned kb, unsigned *nbits) {
+    uint64_t q = g >> kb;
+    if (XG_LIKELY(q < RICE_QMAX)) {
+        *nbits = (unsigned)q + 1 + kb;
+        return ((((g & (((uint64_t)1 << kb) - 1)) << 1) | 1) << q) - 1;
+    }
+    *nbits = RICE_QMAX + 32;
+    return ((g + 1) << RICE_QMAX) - 1;
+}
+
+/* The codes of one class, four at a time into the accumulator when they fit (one store for
+ * the four), else one by one. */
+XG_INLINE void rice_class(const uint32_t *restrict gapv, int64_t c, unsigned kb,
+                          uint8_t *restrict out, int64_t cap, xg_bits *w) {
+    xg_bits b = *w;
+    int64_t i = 0;
+    for (; i + 4 <= c; i += 4) {
+        unsigned n0, n1, n2, n3;
+        uint64_t c0 = xg_code(gapv[i], kb, &n0), c1 = xg_code(gapv[i + 1], kb, &n1);
+        uint64_t c2 = xg_code(gapv[i + 2], kb, &n2), c3 = xg_code(gapv[i + 3], kb, &n3);
+        if (XG_LIKELY(b.used + n0 + n1 + n2 + n3 < 64)) { /* every shift below is < 64 */
+            b.acc |= c0 << b.used;
+            b.used += n0;
+            b.acc |= c1 << b.used;
+            b.used += n1;
+            b.acc |= c2 << b.used;
+            b.used += n2;
+            b.acc |= c3 << b.used;
+            b.used += n3;
+            xg_flush(&b, out, cap);
+        } else {
+            b.acc |= c0 << b.used; b.used += n0; xg_flush(&b, out, cap);
+            b.acc |= c1 << b.used; b.used += n1; xg_flush(&b, out, cap);
+            b.acc |= c2 << b.used; b.used += n2; xg_flush(&b, out, cap);
+            b.acc |= c3 << b.used; b.used += n3; xg_flush(&b, out, cap);
+        }
+    }
+    for (; i < c; i++) {
+        unsigned n;
+        uint64_t code = xg_code(gapv[i], kb, &n);
+        b.acc |= code << b.used; /* at most 56 + 7 bits */
+        b.used += n;
+        xg_flush(&b, out, cap);
+    }
+    *w = b;
+}
+
 /* Rice codes of ``gapv`` (grouped by class, ``kparam`` per class) into ``out`` (at least
- * ``cap`` >= (56 * k + 7) / 8 bytes); returns the bytes written. Bits go LSB first into a
- * 64-bit accumulator that is stored whenever it fills up. */
-static int64_t rice_write(const uint32_t *gapv, const int64_t *ccount, const int64_t *kparam,
-                          int64_t nclass, uint8_t *out, int64_t cap) {
-    (void)cap; /* whole words are stored only when that many bits are written */
-    uint64_t acc = 0;
-    unsigned used = 0; /* bits pending in acc, < 64 */
-    int64_t pos = 0, p = 0;
+ * ``cap`` >= (56 * k + 7) / 8 bytes); returns the bytes written. Bits go LSB first. Each
+ * parameter has a loop of its own (shifts by a constant). */
+static int64_t rice_write(const uint32_t *restrict gapv, const int64_t *ccount,
+                          const int64_t *kparam, int64_t nclass, uint8_t *restrict out,
+                          int64_t cap) {
+    xg_bits w = {0, 0, 0};
+    int64_t p = 0;
     for (int64_t e = 0; e < nclass; e++) {
         int64_t c = ccount[e];
         if (c == 0) continue;
-        unsigned kb = (unsigned)kparam[e];
-        uint64_t kmask = ((uint64_t)1 << kb) - 1;
-        for (int64_t end = p + c; p < end; p++) {
-            uint64_t g = gapv[p], q = g >> kb, code;
-            unsigned nbits;
-            if (q < RICE_QMAX) {
-                code = (((uint64_t)1 << q) - 1) | ((g & kmask) << (q + 1));
-                nbits = (unsigned)q + 1 + kb;
-            } else {
-                code = (((uint64_t)1 << RICE_QMAX) - 1) | (g << RICE_QMAX);
-                nbits = RICE_QMAX + 32;
-            }
-            acc |= code << used;
-            if (used + nbits >= 64) {
-                /* a code has at most 56 bits, so used >= 8 here and the shift is < 64 */
-                uint64_t le = acc;
-#if !XG_LITTLE
-                le = __builtin_bswap64(le);
-#endif
-                memcpy(out + pos, &le, 8);
-                pos += 8;
-                acc = code >> (64 - used);
-                used = used + nbits - 64;
-            } else {
-                used += nbits;
-            }
+        const uint32_t *g = gapv + p;
+        p += c;
+        switch (kparam[e]) {
+#define XG_K(K) case K: rice_class(g, c, K, out, cap, &w); break;
+        XG_K(0) XG_K(1) XG_K(2) XG_K(3) XG_K(4) XG_K(5) XG_K(6) XG_K(7) XG_K(8)
+        XG_K(9) XG_K(10) XG_K(11) XG_K(12) XG_K(13) XG_K(14) XG_K(15) XG_K(16)
+        XG_K(17) XG_K(18) XG_K(19) XG_K(20) XG_K(21) XG_K(22) XG_K(23)
+        default: rice_class(g, c, RICE_KMAX, out, cap, &w); break;
+#undef XG_K
         }
     }
-    for (; used > 0; used = used > 8 ? used - 8 : 0) {
-        out[pos++] = (uint8_t)acc;
-        acc >>= 8;
-    }
-    return pos;
+    if (w.used > 0) out[w.pos++] = (uint8_t)w.acc;
+    return w.pos;
 }
 
+/* Changes of a width grouped by class (a stable counting sort, from the class offsets
+ * ``off``): their ranks ``rs`` and key differences ``ds`` in class order. */
+#define XG_DEFINE_GROUP(NAME, T)                                                           \
+    static void NAME(const uint16_t *restrict cls, const uint32_t *restrict rank,          \
+                     const T *restrict d, int64_t k, uint32_t *restrict off,               \
+                     uint32_t *restrict rs, T *restrict ds) {                              \
+        for (int64_t j = 0; j < k; j++) {                                                  \
+            uint32_t p = off[cls[j]]++;                                                    \
+            rs[p] = rank[j];                                                               \
+            ds[p] = d[j];                                                                  \
+        }                                                                                  \
+    }
+
+XG_DEFINE_GROUP(group_u8, uint8_t)
+XG_DEFINE_GROUP(group_u16, uint16_t)
+XG_DEFINE_GROUP(group_u32, uint32_t)
+XG_DEFINE_GROUP(group_u64, uint64_t)
+
+/* The rank gaps ``g`` of one class of ``c`` > 0 changes from its ranks ``r``; returns
+ * nonzero when the ranks do not increase. */
+static int rank_gaps(const uint32_t *restrict r, int64_t c, uint32_t *restrict g) {
+    uint32_t bad = 0;
+    g[0] = r[0];
+    for (int64_t p = 1; p < c; p++) {
+        bad |= r[p] <= r[p - 1];
+        g[p] = r[p] - r[p - 1] - 1;
+    }
+    return bad != 0;
+}
+
+#define XG_ROWS 8
+
 /* Group changes by class; Rice-coded rank gaps, sign bits and escaped u8 magnitudes.
- * ``ccount``/``kparam`` (nclass long) are overwritten. The caller checked classes < nclass,
- * ranks increasing within a class and the output sizes. Returns 0, or -1 when out of
- * memory. */
+ * ``ccount``/``kparam`` (nclass long) are overwritten. The caller checked the output
+ * sizes; this checks classes < nclass and ranks increasing within a class before any
+ * output is written. Returns 0, 1 when a class or rank is bad (outputs untouched), or -1
+ * when out of memory. */
 static int group_encode(const uint16_t *cls, const uint32_t *rank, const void *d, int width,
                         int64_t k, int64_t nclass, int64_t *ccount, int64_t *kparam,
                         uint8_t *gaps_out, int64_t gaps_cap, uint8_t *signs_out,
                         uint8_t *mags_out, int64_t *g_bytes, int64_t *m_bytes) {
-    int64_t *off = malloc(sizeof(int64_t) * (size_t)nclass);
-    uint32_t *order = malloc(sizeof(uint32_t) * (size_t)(k > 0 ? k : 1));
-    uint32_t *gapv = malloc(sizeof(uint32_t) * (size_t)(k > 0 ? k : 1));
-    if (off == NULL || order == NULL || gapv == NULL) {
-        free(off); free(order); free(gapv);
-        return -1;
+    /* XG_ROWS rows of counts (change index mod XG_ROWS: the increments of a class do not
+     * wait on each other), nclass + 1 wide (the last counts classes out of range); the
+     * class offsets; then in class order the ranks, their gaps, the differences, their
+     * magnitude bytes and signs (values_*). k < 2**32: counts fit in uint32. */
+    const int64_t nt = nclass + 1, kk = k > 0 ? k : 1;
+    size_t bytes = sizeof(uint32_t) * (size_t)((XG_ROWS + 1) * nt + 2 * kk)
+                   + (size_t)(width + 2) * (size_t)kk + 16;
+    uint32_t *tab = malloc(bytes);
+    if (tab == NULL) return -1;
+    uint32_t *rows = tab, *off = tab + XG_ROWS * nt, *rs = off + nt, *gapv = rs + kk;
+    uint8_t *ds_ = (uint8_t *)(gapv + kk); /* aligned for any width */
+    void *ds = ds_ + (8 - ((uintptr_t)ds_ & 7)) % 8;
+    uint8_t *mb = (uint8_t *)ds + (size_t)width * (size_t)kk, *sg = mb + kk;
+    memset(rows, 0, sizeof(uint32_t) * (size_t)(XG_ROWS * nt));
+    {
+        const uint16_t top = (uint16_t)nclass;
+        int64_t j = 0;
+        for (; j + XG_ROWS <= k; j += XG_ROWS)
+            for (int r = 0; r < XG_ROWS; r++) {
+                unsigned e = cls[j + r];
+                rows[r * nt + (e < top ? e : top)]++;
+            }
+        for (; j < k; j++) rows[cls[j] < top ? cls[j] : top]++;
     }
-    memset(ccount, 0, sizeof(int64_t) * (size_t)nclass);
-    memset(kparam, 0, sizeof(int64_t) * (size_t)nclass);
-    for (int64_t j = 0; j < k; j++) ccount[cls[j]]++;
-    int64_t s = 0;
-    for (int64_t e = 0; e < nclass; e++) {
+    uint32_t s = 0;
+    for (int64_t e = 0; e < nt; e++) {
+        uint32_t c = 0;
+        for (int r = 0; r < XG_ROWS; r++) c += rows[r * nt + e];
+        rows[e] = c;
         off[e] = s;
-        s += ccount[e];
+        s += c;
     }
-    for (int64_t j = 0; j < k; j++) order[off[cls[j]]++] = (uint32_t)j;
+    int bad = rows[nclass] != 0;
+    if (!bad) {
+        switch (width) {
+        case 1: group_u8(cls, rank, d, k, off, rs, ds); break;
+        case 2: group_u16(cls, rank, d, k, off, rs, ds); break;
+        case 4: group_u32(cls, rank, d, k, off, rs, ds); break;
+        default: group_u64(cls, rank, d, k, off, rs, ds); break;
+        }
+        /* row 1: the last rank of each class */
+        for (int64_t e = 0, p0 = 0; e < nclass; p0 += rows[e], e++) {
+            if (rows[e] == 0) continue;
+            bad |= rank_gaps(rs + p0, rows[e], gapv + p0);
+            rows[nt + e] = rs[p0 + rows[e] - 1];
+        }
+    }
+    if (bad) {
+        free(tab);
+        return 1;
+    }
     switch (width) {
-    case 1: *m_bytes = values_u8(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
-            break;
-    case 2: *m_bytes = values_u16(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
-            break;
-    case 4: *m_bytes = values_u32(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
-            break;
-    default: *m_bytes = values_u64(d, rank, order, ccount, nclass, gapv, signs_out, mags_out);
-             break;
+    case 1: *m_bytes = values_u8(ds, k, mb, sg, signs_out, mags_out); break;
+    case 2: *m_bytes = values_u16(ds, k, mb, sg, signs_out, mags_out); break;
+    case 4: *m_bytes = values_u32(ds, k, mb, sg, signs_out, mags_out); break;
+    default: *m_bytes = values_u64(ds, k, mb, sg, signs_out, mags_out); break;
     }
     int64_t p0 = 0;
     for (int64_t e = 0; e < nclass; e++) {
-        if (ccount[e] == 0) continue;
-        kparam[e] = rice_param(gapv + p0, ccount[e]);
-        p0 += ccount[e];
+        int64_t c = rows[e];
+        ccount[e] = c;
+        kparam[e] = 0;
+        if (c == 0) continue;
+        /* the gaps of a class sum to its last rank + 1 - c */
+        kparam[e] = rice_param(gapv + p0, c, (int64_t)rows[nt + e] + 1 - c);
+        p0 += c;
     }
     *g_bytes = rice_write(gapv, ccount, kparam, nclass, gaps_out, gaps_cap);
-    free(off); free(order); free(gapv);
+    free(tab);
     return 0;
 }
 
@@ -391,8 +550,13 @@ static inline uint64_t load_le64(const uint8_t *s) {
 /* Rice-coded rank gaps, grouped by class. 0 ok, 1 truncated, 2 trailing bytes or bits,
  * 3 non-canonical escape, 4 rank past the segment, -1 out of memory.
  *
- * Codes are read from a 64-bit register of the stream (a zero-padded copy, so past its end
- * it reads zeros), refilled when it holds fewer bits than the next code needs. */
+ * Codes are read from a 64-bit window of the stream (a zero-padded copy, so past its end it
+ * reads zeros), kept complemented (``y``: the unary part ends at its lowest set bit). The
+ * window is refilled (57 bits or more) before every XG_GROUP(kk) codes of a class, a number
+ * that usually fits: the loops then run a fixed number of times, and the branch to refill
+ * early when a code reaches past the window is rarely taken. */
+#define XG_GROUP(kk) (48 / ((kk) + 3) + 1)
+
 static int decode_gaps(const int64_t *ccounts, const int64_t *kparams, int64_t nc,
                        const uint8_t *gaps, int64_t nbytes, int64_t *gaps_out, int64_t limit) {
     uint8_t *buf = malloc((size_t)nbytes + 16);
@@ -402,40 +566,37 @@ static int decode_gaps(const int64_t *ccounts, const int64_t *kparams, int64_t n
     const int64_t nbits = nbytes * 8;
     const uint64_t cap = (uint64_t)1 << RICE_QMAX;
     int64_t b = 0, p = 0;
-    uint64_t x = 0;
-    int64_t avail = 0; /* bits of x that are stream bits (from bit b on) */
     int rc = 0;
-    for (int64_t ci = 0; ci < nc && rc == 0; ci++) {
-        int64_t kk = kparams[ci];
-        uint64_t kmask = ((uint64_t)1 << kk) - 1;
+    for (int64_t ci = 0; ci < nc; ci++) {
+        const int64_t kk = kparams[ci], c = ccounts[ci], group = XG_GROUP(kk);
+        const uint64_t kmask = ((uint64_t)1 << kk) - 1;
         int64_t last = -1;
-        for (int64_t j = 0; j < ccounts[ci]; j++) {
-            if (b >= nbits) { rc = 1; break; }
-            if (avail <= RICE_QMAX) { /* the quotient needs RICE_QMAX + 1 bits */
-                x = load_le64(buf + (b >> 3)) >> (b & 7);
-                avail = 64 - (b & 7);
+        for (int64_t j = 0; j < c;) {
+            /* at least 57 stream bits: any code fits */
+            uint64_t y = ~(load_le64(buf + (b >> 3)) >> (b & 7));
+            int64_t avail = 64 - (b & 7), n = c - j < group ? c - j : group, t = 0;
+            for (; t < n; t++) {
+                int64_t q = xg_ctz64(y | cap), v;
+                int64_t len = q < RICE_QMAX ? q + 1 + kk : RICE_QMAX + 32;
+                if (XG_RARELY(len > avail)) break; /* (past the window, y is not the stream) */
+                if (XG_RARELY(b + len > nbits)) { rc = 1; goto out; }
+                if (XG_LIKELY(q < RICE_QMAX)) {
+                    v = (q << kk) | (int64_t)((~y >> (q + 1)) & kmask);
+                } else {
+                    v = (int64_t)((~y >> RICE_QMAX) & 0xFFFFFFFFu);
+                    if ((v >> kk) < RICE_QMAX) { rc = 3; goto out; }
+                }
+                y >>= len;
+                avail -= len;
+                b += len;
+                last = last + 1 + v;
+                if (XG_RARELY(last >= limit)) { rc = 4; goto out; }
+                gaps_out[p++] = v;
             }
-            int64_t q = xg_ctz64(~x | cap), len, v;
-            len = q < RICE_QMAX ? q + 1 + kk : RICE_QMAX + 32;
-            if (len > avail) {
-                x = load_le64(buf + (b >> 3)) >> (b & 7);
-                avail = 64 - (b & 7);
-            }
-            if (b + len > nbits) { rc = 1; break; }
-            if (q < RICE_QMAX) {
-                v = (q << kk) | (int64_t)((x >> (q + 1)) & kmask);
-            } else {
-                v = (int64_t)((x >> RICE_QMAX) & 0xFFFFFFFFu);
-                if ((v >> kk) < RICE_QMAX) { rc = 3; break; }
-            }
-            x >>= len;
-            avail -= len;
-            b += len;
-            last = last + 1 + v;
-            if (last >= limit) { rc = 4; break; }
-            gaps_out[p++] = v;
+            j += t;
         }
     }
+out:
     free(buf);
     if (rc != 0) return rc;
     if ((b + 7) / 8 != nbytes) return 2;
@@ -907,27 +1068,27 @@ static PyObject *xg_group_encode(PyObject *self, PyObject *args) {
     const uint16_t *cls = b[0].view.buf;
     const uint32_t *rank = b[1].view.buf;
     int64_t g = 0, m = 0, bad = -1;
-    int rc = 0;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    /* classes in range and ranks increasing within each class (scan()'s output) */
-    int64_t *lastr = malloc(sizeof(int64_t) * (size_t)nclass);
-    if (lastr == NULL) {
-        rc = -1;
-    } else {
-        for (int64_t e = 0; e < nclass; e++) lastr[e] = -1;
-        for (int64_t j = 0; j < k && bad < 0; j++) {
-            if (cls[j] >= nclass || (int64_t)rank[j] <= lastr[cls[j]]) bad = j;
-            else lastr[cls[j]] = rank[j];
+    rc = group_encode(cls, rank, b[2].view.buf, w, k, nclass, b[3].view.buf, b[4].view.buf,
+                      b[5].view.buf, b[5].len, b[6].view.buf, b[7].view.buf, &g, &m);
+    if (rc == 1) { /* the first change with a class or rank out of order (scan()'s output
+                    * has classes in range and ranks increasing within each class) */
+        int64_t *lastr = malloc(sizeof(int64_t) * (size_t)nclass);
+        if (lastr == NULL) {
+            rc = -1;
+        } else {
+            for (int64_t e = 0; e < nclass; e++) lastr[e] = -1;
+            for (int64_t j = 0; j < k && bad < 0; j++) {
+                if (cls[j] >= nclass || (int64_t)rank[j] <= lastr[cls[j]]) bad = j;
+                else lastr[cls[j]] = rank[j];
+            }
+            free(lastr);
         }
-        free(lastr);
     }
-    if (rc == 0 && bad < 0)
-        rc = group_encode(cls, rank, b[2].view.buf, w, k, nclass, b[3].view.buf,
-                          b[4].view.buf, b[5].view.buf, b[5].len, b[6].view.buf,
-                          b[7].view.buf, &g, &m);
     Py_END_ALLOW_THREADS
     if (rc < 0) { PyErr_NoMemory(); goto done; }
-    if (bad >= 0) {
+    if (rc == 1) {
         PyErr_Format(PyExc_ValueError,
                      "change %lld: class outside [0, nclass) or rank not increasing "
                      "within its class", (long long)bad);
