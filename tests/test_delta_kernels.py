@@ -614,3 +614,98 @@ def test_group_encode_leaves_its_outputs_alone_on_bad_input() -> None:
         _xg.group_encode(*args)
     for i in (5, 6, 7, 8, 9):
         assert np.all(args[i] == 7)
+
+
+def _slots(fmt: BitFormat, cls: np.ndarray, rank: np.ndarray, d: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(class_start, class_end, rank gaps, key differences) in the decoder's slot order."""
+    counts = np.bincount(cls.astype(np.int64), minlength=fmt.nclass)
+    ends = np.cumsum(counts).astype(np.int64)
+    starts = (ends - counts).astype(np.int64)
+    order = np.argsort(cls, kind="stable")
+    gaps = np.empty(cls.shape[0], np.int64)
+    for e in np.flatnonzero(counts):
+        r = rank[order[starts[e]:ends[e]]].astype(np.int64)
+        gaps[starts[e]:ends[e]] = np.diff(r, prepend=-1) - 1
+    return starts, ends, gaps, d[order].astype(fmt.uint)
+
+
+def _locate_apply(arr: np.ndarray, fmt: BitFormat, slots: tuple[np.ndarray, ...]
+                  ) -> tuple[int, np.ndarray]:
+    starts, ends, gaps, d = slots
+    pos = np.empty(gaps.shape[0], np.uint32)
+    err = _xg.locate_apply(arr, fmt.shift, fmt.emask, int(fmt.signbit), int(fmt.full), starts,
+                           ends, gaps, d, pos)
+    return err, pos
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("density", [0.012, 0.3])
+def test_locate_apply_writes_new_exactly_on_both_paths(fmt: BitFormat, n: int,
+                                                       density: float) -> None:
+    old = _weights(fmt, n, seed=n)
+    new = _changed(old, density, seed=n + 1)
+    _, cls, rank, d = _scan(old, new, fmt)
+    slots = _slots(fmt, cls, rank, d)
+    err, want = _locate(old, fmt, cls, rank)
+    assert err == 0
+
+    def run() -> tuple[int, np.ndarray, np.ndarray]:
+        arr = old.copy()
+        e, pos = _locate_apply(arr, fmt, slots)
+        return e, pos, arr
+
+    for e, pos, arr in _both_paths(run):
+        assert e == 0
+        np.testing.assert_array_equal(pos, want)
+        np.testing.assert_array_equal(arr, new)
+
+
+@pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
+def test_locate_apply_past_the_population_leaves_arr_as_it_was(fmt: BitFormat) -> None:
+    old = _weights(fmt, 70001, seed=3)
+    new = _changed(old, 0.05, seed=4)
+    _, cls, rank, d = _scan(old, new, fmt)
+    starts, ends, gaps, dd = _slots(fmt, cls, rank, d)
+    last = int(np.flatnonzero(ends > starts)[-1])
+    gaps[ends[last] - 1] += 70001  # the class's last change lies past its elements
+
+    def run() -> tuple[int, np.ndarray]:
+        arr = old.copy()
+        e, _ = _locate_apply(arr, fmt, (starts, ends, gaps, dd))
+        return e, arr
+
+    for e, arr in _both_paths(run):
+        assert e == 1
+        np.testing.assert_array_equal(arr, old)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float32", "float64", "int64", "uint8"])
+def test_locate_apply_other_widths_write_new(name: str) -> None:
+    fmt = BIT_FORMATS[name]
+    rng = np.random.default_rng(7)
+    old = rng.integers(0, 256, 5000 * fmt.nbytes, dtype=np.uint8).view(fmt.uint)
+    new = old.copy()
+    mask = rng.random(5000) < 0.05
+    new[mask] = rng.integers(0, 256, int(mask.sum()) * fmt.nbytes, dtype=np.uint8).view(fmt.uint)
+    _, cls, rank, d = _scan(old, new, fmt)
+    arr = old.copy()
+    err, _ = _locate_apply(arr, fmt, _slots(fmt, cls, rank, d))
+    assert err == 0
+    np.testing.assert_array_equal(arr, new)
+
+
+def test_locate_apply_refuses_read_only_short_or_mistyped_buffers() -> None:
+    old = _weights(BF16, 4096, seed=5)
+    new = _changed(old, 0.05, seed=6)
+    _, cls, rank, d = _scan(old, new, BF16)
+    starts, ends, gaps, dd = _slots(BF16, cls, rank, d)
+    frozen = old.copy()
+    frozen.flags.writeable = False
+    with pytest.raises((TypeError, ValueError), match="arr"):
+        _locate_apply(frozen, BF16, (starts, ends, gaps, dd))
+    with pytest.raises((TypeError, ValueError), match="d"):
+        _locate_apply(old.copy(), BF16, (starts, ends, gaps, dd.astype(np.uint32)))
+    with pytest.raises(ValueError, match="pos_out and d"):
+        _locate_apply(old.copy(), BF16, (starts, ends, gaps, dd[:-1]))

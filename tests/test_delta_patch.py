@@ -124,6 +124,37 @@ def test_a_decodable_forgery_is_caught_by_the_root_and_reverted(delta) -> None: 
     assert same_bits(state, old)
 
 
+@pytest.mark.parametrize("engine", ["c", "torch"])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_signed_chunk_that_does_not_fit_the_state_is_undone_exactly(
+        engine: str, where: str) -> None:
+    """A chunk whose id matches (so it is what the trainer signed) but whose changes fall
+    past a class's population in this state: the Patcher writes as it places, so the
+    segments already written are undone before DecodeError and the state is bit-identical."""
+    from swarm.content.ids import chunk_id
+
+    old, new = gaussian_bf16_pair(1 << 15, 0.02, seed=12)
+    _, chunks = encode_delta_sync(old, new, IDENTITY, "run", 4,
+                                  config=EncoderConfig(segment_elems=4096,
+                                                       chunk_target=1 << 20))
+    assert len(chunks) == 1 and len(_segments(chunks[0].data)) == 8
+    other = clone_state(old)
+    flat = other["w"].view(-1)
+    part = slice(0, 4096) if where == "first" else slice(7 * 4096, 8 * 4096)
+    flat[part] = 0  # one class only there: that segment's changes cannot be placed
+    from swarm.delta import state_root_of
+
+    signed = encode_delta_sync(old, new, IDENTITY, "run", 4)[0]
+    bad = _resign(signed, base_root=state_root_of(other),
+                  chunks=((chunk_id(chunks[0].data), len(chunks[0].data)),))
+    before = clone_state(other)
+    p = Patcher(other, bad, engine=engine)
+    with pytest.raises(DecodeError, match="past its class population"):
+        p.apply(chunks[0].cid, chunks[0].data)
+    assert same_bits(other, before)
+    assert p.missing == {chunks[0].cid}
+
+
 def test_explicit_revert_restores_base(delta) -> None:  # type: ignore[no-untyped-def]
     old, _, signed, chunks = delta
     state = clone_state(old)

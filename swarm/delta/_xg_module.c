@@ -1157,6 +1157,31 @@ PyDoc_STRVAR(locate_doc,
 "long) into element positions pos_out (uint32) in the same slots. Returns 0, or 1 when a\n"
 "class runs out of elements before its last change.");
 
+/* Checks locate's class ranges against gaps (b[gi]) and pos_out (b[pi]) and the extra
+ * slot-indexed buffer b[di] when di >= 0; 0, or -1 with an exception set. */
+static int check_slots(const xg_buf *b, int64_t nclass, int ci, int gi, int pi, int di) {
+    if (b[ci].len != nclass || b[ci + 1].len != nclass) {
+        PyErr_Format(PyExc_ValueError, "class_start and class_end must hold emask + 1 = %lld "
+                     "entries", (long long)nclass);
+        return -1;
+    }
+    if (b[0].len > (int64_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a segment holds at most 2**32 - 1 elements");
+        return -1;
+    }
+    const int64_t *cs = b[ci].view.buf, *ce = b[ci + 1].view.buf;
+    int64_t room = b[gi].len < b[pi].len ? b[gi].len : b[pi].len;
+    if (di >= 0 && b[di].len < room) room = b[di].len;
+    for (int64_t e = 0; e < nclass; e++) {
+        if (cs[e] < 0 || cs[e] > ce[e] || ce[e] > room) {
+            PyErr_Format(PyExc_ValueError, "class %lld: [class_start, class_end) must lie "
+                         "within gaps, pos_out%s", (long long)e, di >= 0 ? " and d" : "");
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *xg_locate(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *o_old, *o_cs, *o_ce, *o_g, *o_pos;
@@ -1176,24 +1201,8 @@ static PyObject *xg_locate(PyObject *self, PyObject *args) {
     int w = b[0].width;
     if (check_field(w, shift, emask) < 0) goto done;
     int64_t nclass = emask + 1, n = b[0].len;
-    if (b[1].len != nclass || b[2].len != nclass) {
-        PyErr_Format(PyExc_ValueError, "class_start and class_end must hold emask + 1 = %lld "
-                     "entries", (long long)nclass);
-        goto done;
-    }
-    if (n > (int64_t)UINT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "a segment holds at most 2**32 - 1 elements");
-        goto done;
-    }
+    if (check_slots(b, nclass, 1, 3, 4, -1) < 0) goto done;
     const int64_t *cs = b[1].view.buf, *ce = b[2].view.buf;
-    int64_t room = b[3].len < b[4].len ? b[3].len : b[4].len;
-    for (int64_t e = 0; e < nclass; e++) {
-        if (cs[e] < 0 || cs[e] > ce[e] || ce[e] > room) {
-            PyErr_Format(PyExc_ValueError, "class %lld: [class_start, class_end) must lie "
-                         "within gaps and pos_out", (long long)e);
-            goto done;
-        }
-    }
     int rc = XG_UNSUPPORTED, simd = use_simd;
     Py_BEGIN_ALLOW_THREADS
     if (w == 2 && simd)
@@ -1207,6 +1216,61 @@ static PyObject *xg_locate(PyObject *self, PyObject *args) {
     res = PyLong_FromLong(rc);
 done:
     release_all(b, 5);
+    return res;
+}
+
+PyDoc_STRVAR(locate_apply_doc,
+"locate_apply(arr, shift, emask, signbit, full, class_start, class_end, gaps, d, pos_out)\n"
+"    -> int\n\n"
+"locate() over arr that also writes each change: arr[pos] = unkey(key(arr[pos]) + d[slot])\n"
+"(d: unsigned, the width of arr, slot-indexed like gaps). 2-byte elements on the SIMD\n"
+"path write each change as it is placed (its cache line is still close); elsewhere all\n"
+"positions are found first. Returns 0, or 1 when a class runs out of elements: then arr is\n"
+"as it was (every change written was undone).");
+
+static PyObject *xg_locate_apply(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o_arr, *o_cs, *o_ce, *o_g, *o_d, *o_pos;
+    Py_ssize_t shift, emask;
+    uint64_t signbit, full;
+    if (!PyArg_ParseTuple(args, "OnnO&O&OOOOO:locate_apply", &o_arr, &shift, &emask, u64_arg,
+                          &signbit, u64_arg, &full, &o_cs, &o_ce, &o_g, &o_d, &o_pos))
+        return NULL;
+    xg_buf b[6];
+    memset(b, 0, sizeof b);
+    PyObject *res = NULL;
+    if (get_array(o_arr, &b[0], "arr", 1, KIND_UNSIGNED, 0) < 0
+        || get_array(o_cs, &b[1], "class_start", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_ce, &b[2], "class_end", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_g, &b[3], "gaps", 0, KIND_SIGNED, 8) < 0
+        || get_array(o_pos, &b[4], "pos_out", 1, KIND_UNSIGNED, 4) < 0
+        || get_array(o_d, &b[5], "d", 0, KIND_UNSIGNED, b[0].width) < 0)
+        goto done;
+    int w = b[0].width;
+    if (check_field(w, shift, emask) < 0 || check_format(w, signbit, full) < 0) goto done;
+    int64_t nclass = emask + 1, n = b[0].len;
+    if (check_slots(b, nclass, 1, 3, 4, 5) < 0) goto done;
+    const int64_t *cs = b[1].view.buf, *ce = b[2].view.buf;
+    uint32_t *pos = b[4].view.buf;
+    int rc = XG_UNSUPPORTED, simd = use_simd;
+    Py_BEGIN_ALLOW_THREADS
+    if (w == 2 && simd)
+        rc = xg_locate_apply16_simd(b[0].view.buf, n, (unsigned)shift, (unsigned)emask, cs, ce,
+                                    (int)nclass, b[3].view.buf, pos, b[5].view.buf,
+                                    (uint16_t)signbit, (uint16_t)full);
+    if (rc == XG_UNSUPPORTED) {
+        rc = locate(b[0].view.buf, w, n, (unsigned)shift, (uint64_t)emask, cs, ce, nclass,
+                    b[3].view.buf, pos);
+        for (int64_t e = 0; rc == 0 && e < nclass; e++)
+            apply_diffs(b[0].view.buf, w, pos + cs[e],
+                        (const uint8_t *)b[5].view.buf + (size_t)cs[e] * (size_t)w,
+                        ce[e] - cs[e], signbit, full, 0);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc < 0) { PyErr_NoMemory(); goto done; }
+    res = PyLong_FromLong(rc);
+done:
+    release_all(b, 6);
     return res;
 }
 
@@ -1394,6 +1458,7 @@ static PyMethodDef xg_methods[] = {
     {"class_table", xg_class_table, METH_VARARGS, class_table_doc},
     {"decode_gaps", xg_decode_gaps, METH_VARARGS, decode_gaps_doc},
     {"locate", xg_locate, METH_VARARGS, locate_doc},
+    {"locate_apply", xg_locate_apply, METH_VARARGS, locate_apply_doc},
     {"decode_values", xg_decode_values, METH_VARARGS, decode_values_doc},
     {"apply_diffs", xg_apply_diffs, METH_VARARGS, apply_diffs_doc},
     {"read_pair", xg_read_pair_py, METH_VARARGS, read_pair_doc},

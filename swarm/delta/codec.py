@@ -24,7 +24,7 @@ before any byte is written.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -227,9 +227,11 @@ def parse_chunk(data: bytes | bytearray | memoryview) -> list[list[object]]:
     return segs
 
 
-def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[StateView]
-                   ) -> SegmentChange:
-    """Decode one parsed segment against the current (old) values; writes nothing."""
+def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[StateView], *,
+                   write: bool = False) -> SegmentChange:
+    """Decode one parsed segment against the current (old) values; writes nothing unless
+    ``write``: then each change is written as it is placed (one pass over the state), and a
+    segment whose changes do not fit the state is undone before :class:`DecodeError`."""
     tensor, start, count, changes = (int(x) for x in seg[:4])  # type: ignore[call-overload]
     classes, gaps, signs, mags = (bytes(x) for x in seg[4:])  # type: ignore[call-overload]
     if not 0 <= tensor < len(layout):
@@ -265,12 +267,51 @@ def decode_segment(seg: list[object], layout: StateLayout, views: Sequence[State
     old = views[tensor][start:start + count]
     if isinstance(old, torch.Tensor):
         pos = device.locate_segment(old, fmt, class_start, class_end, gapv)
+        if write:
+            device.apply_segment(old, 0, pos, diffs, fmt, False)
         return SegmentChange(tensor, start, pos, diffs)
     pos = np.empty(changes, np.uint32)
-    err = _xg.locate(old, fmt.shift, fmt.emask, class_start, class_end, gapv, pos)
+    if write:
+        err = _xg.locate_apply(old, fmt.shift, fmt.emask, int(fmt.signbit), int(fmt.full),
+                               class_start, class_end, gapv, diffs, pos)
+    else:
+        err = _xg.locate(old, fmt.shift, fmt.emask, class_start, class_end, gapv, pos)
     if err:
         raise DecodeError("chunk: a change's rank is past its class population")
     return SegmentChange(tensor, start, pos, diffs)
+
+
+def _ordered_segments(data: bytes | bytearray | memoryview) -> list[list[object]]:
+    """A parsed chunk's segments, checked to be in state order and within the change bound."""
+    segs = parse_chunk(data)
+    prev = (-1, 0)
+    total = 0
+    for seg in segs:
+        tensor, start, count, changes = (int(x) for x in seg[:4])  # type: ignore[call-overload]
+        if (tensor, start) < prev:
+            raise DecodeError("chunk: segments overlap or are out of order")
+        prev = (tensor, start + count)
+        total += changes
+    if total > MAX_CHUNK_CHANGES:
+        raise DecodeError(f"chunk: {total} changes exceed the bound {MAX_CHUNK_CHANGES}")
+    return segs
+
+
+def _each(fn: Callable[[list[object]], SegmentChange], segs: list[list[object]],
+          executor: Executor | None) -> list[SegmentChange | Exception]:
+    def guarded(seg: list[object]) -> SegmentChange | Exception:
+        try:
+            return fn(seg)
+        except Exception as exc:  # handed back: the caller undoes the other segments
+            return exc
+
+    if executor is not None and len(segs) > 1:
+        return list(executor.map(guarded, segs))
+    return [guarded(s) for s in segs]
+
+
+def _chunk(layout: StateLayout, out: Sequence[SegmentChange]) -> AppliedChunk:
+    return AppliedChunk(tuple(out), frozenset(layout.tensors[s.tensor].name for s in out))
 
 
 def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
@@ -283,23 +324,33 @@ def decode_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
     :raises DecodeError: the chunk is corrupt, truncated, oversized or does not fit the
         layout.
     """
-    segs = parse_chunk(data)
-    prev = (-1, 0)
-    total = 0
-    for seg in segs:
-        tensor, start, count, changes = (int(x) for x in seg[:4])  # type: ignore[call-overload]
-        if (tensor, start) < prev:
-            raise DecodeError("chunk: segments overlap or are out of order")
-        prev = (tensor, start + count)
-        total += changes
-    if total > MAX_CHUNK_CHANGES:
-        raise DecodeError(f"chunk: {total} changes exceed the bound {MAX_CHUNK_CHANGES}")
+    segs = _ordered_segments(data)
     if executor is not None and len(segs) > 1:
         out = list(executor.map(lambda s: decode_segment(s, layout, views), segs))
     else:
         out = [decode_segment(s, layout, views) for s in segs]
-    names = frozenset(layout.tensors[s.tensor].name for s in out)
-    return AppliedChunk(tuple(out), names)
+    return _chunk(layout, out)
+
+
+def apply_verified_chunk(data: bytes | bytearray | memoryview, layout: StateLayout,
+                         views: Sequence[StateView], executor: Executor | None = None
+                         ) -> AppliedChunk:
+    """Decode a chunk and write its changes as they are placed: one pass over the state,
+    for chunks whose bytes were verified against a signed manifest (:class:`Patcher`).
+
+    A chunk that fails to decode or does not fit the state has every change it wrote
+    undone before the error is raised, so the state is as it was; unverified bytes should
+    go through :func:`decode_chunk`, which checks the whole chunk before any write.
+
+    :raises DecodeError: the chunk is corrupt or does not fit the state (nothing changed).
+    """
+    segs = _ordered_segments(data)
+    out = _each(lambda s: decode_segment(s, layout, views, write=True), segs, executor)
+    done = [s for s in out if isinstance(s, SegmentChange)]
+    if len(done) < len(out):
+        _apply(layout, views, _chunk(layout, done), True, executor)
+        raise next(e for e in out if isinstance(e, Exception))
+    return _chunk(layout, done)
 
 
 def _apply(layout: StateLayout, views: Sequence[StateView], chunk: AppliedChunk, negate: bool,

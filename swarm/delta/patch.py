@@ -14,8 +14,7 @@ from swarm.content.manifest import SignedManifest
 from swarm.delta.codec import (
     CODEC_NAME,
     AppliedChunk,
-    apply_decoded,
-    decode_chunk,
+    apply_verified_chunk,
     revert_decoded,
     state_views,
 )
@@ -29,7 +28,9 @@ class Patcher:
     """Applies one signed delta to a state in place, chunk by chunk, in any order.
 
     Construction refuses a state whose layout or root is not the manifest's base (before
-    any write). :meth:`apply` checks a chunk's id and decodes it completely before writing.
+    any write). :meth:`apply` checks a chunk's id against the signed manifest, then decodes
+    it and writes each change as it is placed (one pass over the state); a chunk that still
+    does not fit (a bad delta the trainer signed) has its writes undone before the error.
     :meth:`finish` recomputes the state root; on mismatch every applied chunk is reverted
     and :class:`IntegrityError` is raised.
 
@@ -85,7 +86,9 @@ class Patcher:
         A chunk already applied is ignored (returns an empty set).
 
         :raises IntegrityError: the chunk is not in the manifest or does not match its id.
-        :raises DecodeError: the chunk is corrupt (nothing was written).
+        :raises DecodeError: the chunk does not decode or fit the state (a chunk whose id
+            matched can only do that if the trainer signed a bad delta): every change it
+            wrote was undone.
         """
         if self._closed:
             raise LocalProtocolError("this patcher is finished")
@@ -96,8 +99,7 @@ class Patcher:
             return frozenset()
         if len(data) != size or chunk_id(data) != cid:
             raise IntegrityError(f"chunk {hex_id(cid, True)} does not match its id")
-        decoded = decode_chunk(data, self._layout, self._views, self._executor)
-        apply_decoded(self._layout, self._views, decoded, self._executor)
+        decoded = apply_verified_chunk(data, self._layout, self._views, self._executor)
         self._applied.append(decoded)
         self._done.add(cid)
         self._changed |= decoded.tensor_names
