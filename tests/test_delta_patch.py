@@ -155,6 +155,30 @@ def test_a_signed_chunk_that_does_not_fit_the_state_is_undone_exactly(
     assert p.missing == {chunks[0].cid}
 
 
+def test_non_canonical_chunks_are_refused_unless_their_bytes_are_pinned(delta) -> None:  # type: ignore[no-untyped-def]
+    """Unverified bytes must be canonical msgpack; a Patcher, which checked the bytes
+    against their id, does not re-encode the container to check it."""
+    from swarm.content.ids import chunk_id
+    from swarm.delta.codec import parse_chunk
+
+    old, new, signed, chunks = delta
+    data = chunks[0].data
+    head = 1 + 10  # fixarray(2), fixstr "swarm-xg1"
+    assert data[head] & 0xF0 == 0x90 and data[head + 1] == 0x98 and data[head + 2] < 0x80
+    wide = data[:head + 2] + bytes([0xCC, data[head + 2]]) + data[head + 3:]  # uint8 form
+    assert parse_chunk(wide, canonical=False) == parse_chunk(data)
+    with pytest.raises(DecodeError, match="non-canonical"):
+        apply_chunk(clone_state(old), wide)
+    rows = [(chunk_id(wide), len(wide))] + [(c.cid, len(c.data)) for c in chunks[1:]]
+    state = clone_state(old)
+    p = Patcher(state, _resign(signed, chunks=tuple(rows)))
+    p.apply(chunk_id(wide), wide)
+    for c in chunks[1:]:
+        p.apply(c.cid, c.data)
+    p.finish()
+    assert same_bits(state, new)
+
+
 def test_explicit_revert_restores_base(delta) -> None:  # type: ignore[no-untyped-def]
     old, _, signed, chunks = delta
     state = clone_state(old)
