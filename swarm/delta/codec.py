@@ -17,8 +17,10 @@ The gap bitstream and the sign bits are raw; the magnitude bytes are zstd-compre
     ["swarm-xg1", [[tensor, start, count, changes, classes, gaps, signs, mags], ...]]
 
 ``classes`` is ``u16 class ids || u32 counts || u8 Rice parameters`` (little-endian,
-ids ascending). A chunk is decoded completely and checked against the state's layout
-before any byte is written.
+ids ascending). Unverified bytes (:func:`apply_chunk`) are decoded completely and checked
+against the state before any byte is written. A chunk whose bytes its id pinned in a signed
+manifest (:class:`swarm.delta.patch.Patcher`) is decoded and written in one pass over the
+state, each change as it is placed; if it still does not fit, its writes are undone.
 """
 
 from __future__ import annotations
