@@ -46,23 +46,17 @@ def _host(t: torch.Tensor, dtype: np.dtype) -> np.ndarray:
     return arr
 
 
-def _keys(bits: np.ndarray, fmt: BitFormat) -> np.ndarray:
-    """Order-preserving keys (the C kernels' ``xg_key``) of unsigned bits."""
+def _flip(x: np.ndarray, fmt: BitFormat, to_key: bool) -> np.ndarray:
+    """Order-preserving keys of unsigned float bits (the C kernels' ``xg_key``), or with
+    ``to_key=False`` the bits of keys: a negative float has every bit flipped, any other its
+    sign bit (a key's sign bit is set for non-negative floats). Integers are their own keys."""
     if not fmt.is_float:
-        return bits
+        return x
     u = fmt.uint.type
-    out: np.ndarray = bits ^ np.where((bits & u(fmt.signbit)) != 0, u(fmt.full),
-                                      u(fmt.signbit))
-    return out
-
-
-def _unkeys(keys: np.ndarray, fmt: BitFormat) -> np.ndarray:
-    """Bits of order-preserving keys (inverse of :func:`_keys`)."""
-    if not fmt.is_float:
-        return keys
-    u = fmt.uint.type
-    out: np.ndarray = keys ^ np.where((keys & u(fmt.signbit)) != 0, u(fmt.signbit),
-                                      u(fmt.full))
+    sign, full = u(fmt.signbit), u(fmt.full)
+    set_sign = (x & sign) != 0
+    out: np.ndarray = x ^ np.where(set_sign, full if to_key else sign,
+                                   sign if to_key else full)
     return out
 
 
@@ -113,7 +107,7 @@ def _scan(old: torch.Tensor, new: torch.Tensor, fmt: BitFormat
     u = fmt.uint
     before = _host(old[idx], u)
     after = _host(new[idx], u)
-    diff = (_keys(after, fmt) - _keys(before, fmt)).astype(u, copy=False)
+    diff = (_flip(after, fmt, True) - _flip(before, fmt, True)).astype(u, copy=False)
     return _host(cls, np.dtype(np.uint16)), _host(rank, np.dtype(np.uint32)), diff
 
 
@@ -156,7 +150,7 @@ def apply_segment(view: torch.Tensor, start: int, positions: np.ndarray, diffs: 
     """``view[start + p] = unkey(key(view[start + p]) + d)`` in place (minus ``d`` when
     ``negate``), the key arithmetic done exactly on the host."""
     idx = torch.from_numpy(positions.astype(np.int64) + start).to(view.device)
-    keys = _keys(_host(view[idx], fmt.uint), fmt)
+    keys = _flip(_host(view[idx], fmt.uint), fmt, True)
     moved = keys - diffs if negate else keys + diffs
-    bits = _unkeys(moved.astype(fmt.uint, copy=False), fmt)
+    bits = _flip(moved.astype(fmt.uint, copy=False), fmt, False)
     view[idx] = torch.from_numpy(bits.view(_VIEW_NP[fmt.nbytes])).to(view.device)
