@@ -22,14 +22,15 @@ pytestmark = pytest.mark.timeout(120)
 T = TypeVar("T")
 BF16 = BIT_FORMATS["bfloat16"]
 FP16 = BIT_FORMATS["float16"]
-# lengths around the SIMD kernels' 64-element vectors and 512-element blocks, and tails
-LENGTHS = [1, 3, 4, 63, 64, 65, 511, 512, 513, 1000, 4097, 70001]
+# lengths around the SIMD kernels' 32- and 64-element vectors and 256-element superblocks,
+# and tails
+LENGTHS = [1, 3, 31, 32, 33, 63, 64, 65, 255, 256, 257, 513, 1000, 4097, 70001]
 
 
 @pytest.fixture(autouse=True)
 def _simd_back_on() -> Iterator[None]:
     yield
-    _xg.set_simd(True)
+    _xg.set_simd("avx512")
 
 
 def _weights(fmt: BitFormat, n: int, seed: int) -> np.ndarray:
@@ -104,44 +105,55 @@ def _locate(old: np.ndarray, fmt: BitFormat, cls: np.ndarray, rank: np.ndarray
     return err, pos
 
 
-def _both_paths(fn: Callable[[], T]) -> tuple[T, T]:
-    """fn() with the SIMD path allowed (whatever this CPU runs) and with scalar forced."""
-    _xg.set_simd(True)
-    fast = fn()
-    _xg.set_simd(False)
+def _every_path(fn: Callable[[], T]) -> list[T]:
+    """fn() on every kernel path this CPU runs, fastest first (the last is scalar)."""
+    results = []
+    for path in _xg.simd_paths():
+        _xg.set_simd(path)
+        assert _xg.simd() == path
+        results.append(fn())
+    _xg.set_simd("avx512")
+    return results
+
+
+def _assert_same(results: list[tuple[Any, ...]]) -> None:
+    """Every path gave the scalar path's result."""
+    for a in results[:-1]:
+        for x, y in zip(a, results[-1], strict=True):
+            if isinstance(x, np.ndarray):
+                assert isinstance(y, np.ndarray)
+                np.testing.assert_array_equal(x, y)
+            else:
+                assert x == y
+
+
+def test_simd_paths_are_known_and_capped_by_set_simd() -> None:
+    paths = _xg.simd_paths()
+    assert paths[-1] == "scalar" and set(paths) <= {"avx512", "avx2", "scalar"}
+    assert _xg.simd() == paths[0]
+    _xg.set_simd("scalar")
     assert _xg.simd() == "scalar"
-    slow = fn()
-    _xg.set_simd(True)
-    return fast, slow
-
-
-def _assert_same(a: tuple[object, ...], b: tuple[object, ...]) -> None:
-    for x, y in zip(a, b, strict=True):
-        if isinstance(x, np.ndarray):
-            assert isinstance(y, np.ndarray)
-            np.testing.assert_array_equal(x, y)
-        else:
-            assert x == y
-
-
-def test_simd_reports_a_known_path() -> None:
-    assert _xg.simd() in ("avx512", "scalar")
-    _xg.set_simd(False)
-    assert _xg.simd() == "scalar"
+    _xg.set_simd("avx2")
+    assert _xg.simd() == ("avx2" if "avx2" in paths else "scalar")
+    with pytest.raises(ValueError, match="path must be"):
+        _xg.set_simd("sse2")
+    with pytest.raises(ValueError, match="path must be"):
+        _xg.set_simd(True)
 
 
 @pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("density", [0.0, 0.012, 0.3, 1.0])
-def test_scan_and_locate_match_reference_on_both_paths(fmt: BitFormat, n: int,
+def test_scan_and_locate_match_reference_on_every_path(fmt: BitFormat, n: int,
                                                        density: float) -> None:
     old = _weights(fmt, n, seed=n)
     new = _changed(old, density, seed=n + 1)
     if density == 1.0:
         new = old ^ np.uint16(1)  # every element changes
     ref_cls, ref_rank, ref_d = _reference_scan(old, new, fmt)
-    fast, slow = _both_paths(lambda: _scan(old, new, fmt))
-    _assert_same(fast, slow)
+    every = _every_path(lambda: _scan(old, new, fmt))
+    _assert_same(every)
+    fast = every[0]
     k, cls, rank, d = fast
     assert k == ref_cls.shape[0]
     np.testing.assert_array_equal(cls, ref_cls)
@@ -149,9 +161,9 @@ def test_scan_and_locate_match_reference_on_both_paths(fmt: BitFormat, n: int,
     np.testing.assert_array_equal(d.astype(np.uint64), ref_d)
     if k == 0:
         return
-    lf, ls = _both_paths(lambda: _locate(old, fmt, cls, rank))
-    _assert_same(lf, ls)
-    err, pos = lf
+    located = _every_path(lambda: _locate(old, fmt, cls, rank))
+    _assert_same(located)
+    err, pos = located[0]
     assert err == 0
     order = np.argsort(cls, kind="stable")
     np.testing.assert_array_equal(np.sort(pos), np.flatnonzero(old != new))
@@ -160,7 +172,7 @@ def test_scan_and_locate_match_reference_on_both_paths(fmt: BitFormat, n: int,
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), fp16=st.booleans(), n=st.integers(1, 3000))
-def test_random_bits_agree_on_both_paths(data: st.DataObject, fp16: bool, n: int) -> None:
+def test_random_bits_agree_on_every_path(data: st.DataObject, fp16: bool, n: int) -> None:
     """Arbitrary bit patterns (classes spread over the whole range, NaNs, -0.0)."""
     fmt = FP16 if fp16 else BF16
     seed = data.draw(st.integers(0, 2**32 - 1))
@@ -170,27 +182,27 @@ def test_random_bits_agree_on_both_paths(data: st.DataObject, fp16: bool, n: int
     new = old.copy()
     mask = rng.random(n) < density
     new[mask] = rng.integers(0, 1 << 16, int(np.count_nonzero(mask))).astype(np.uint16)
-    fast, slow = _both_paths(lambda: _scan(old, new, fmt))
-    _assert_same(fast, slow)
+    every = _every_path(lambda: _scan(old, new, fmt))
+    _assert_same(every)
+    fast = every[0]
     ref_cls, ref_rank, _ = _reference_scan(old, new, fmt)
     np.testing.assert_array_equal(fast[1], ref_cls)
     np.testing.assert_array_equal(fast[2], ref_rank)
     if fast[0] > 0:
-        lf, ls = _both_paths(lambda: _locate(old, fmt, fast[1], fast[2]))
-        _assert_same(lf, ls)
-        assert lf[0] == 0
+        located = _every_path(lambda: _locate(old, fmt, fast[1], fast[2]))
+        _assert_same(located)
+        assert located[0][0] == 0
 
 
 @pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
-def test_scan_reports_overflow_on_both_paths(fmt: BitFormat) -> None:
+def test_scan_reports_overflow_on_every_path(fmt: BitFormat) -> None:
     old = _weights(fmt, 5000, seed=3)
     new = _changed(old, 0.3, seed=4)
-    fast, slow = _both_paths(lambda: _scan(old, new, fmt, cap=100)[0])
-    assert fast == slow == -1
+    assert _every_path(lambda: _scan(old, new, fmt, cap=100)[0]) == [-1] * len(_xg.simd_paths())
 
 
 @pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
-def test_locate_past_the_population_is_code_1_on_both_paths(fmt: BitFormat) -> None:
+def test_locate_past_the_population_is_code_1_on_every_path(fmt: BitFormat) -> None:
     old = _weights(fmt, 700, seed=5)
     e = int((int(old[0]) >> fmt.shift) & fmt.emask)
     population = int(np.count_nonzero(((old.astype(np.int64) >> fmt.shift) & fmt.emask) == e))
@@ -199,14 +211,13 @@ def test_locate_past_the_population_is_code_1_on_both_paths(fmt: BitFormat) -> N
     ends[e:] = 1
     starts[e + 1:] = 1
     gaps = np.array([population], np.int64)  # rank == population: one past the last
-    fast, slow = _both_paths(
-        lambda: _xg.locate(old, fmt.shift, fmt.emask, starts, ends, gaps,
-                           np.empty(1, np.uint32)))
-    assert fast == slow == 1
+    codes = _every_path(lambda: _xg.locate(old, fmt.shift, fmt.emask, starts, ends, gaps,
+                                           np.empty(1, np.uint32)))
+    assert codes == [1] * len(_xg.simd_paths())
 
 
 @pytest.mark.parametrize("big", [2**62, 2**40, 2**31, 5000])
-def test_locate_gaps_past_the_segment_are_code_1_on_both_paths(big: int) -> None:
+def test_locate_gaps_past_the_segment_are_code_1_on_every_path(big: int) -> None:
     """A hostile gap (even one whose running sum would wrap) is an error, never a write out
     of place: the SIMD path keeps ranks in 32-bit lanes."""
     old = _weights(BF16, 5000, seed=6)
@@ -216,10 +227,9 @@ def test_locate_gaps_past_the_segment_are_code_1_on_both_paths(big: int) -> None
     ends[e:] = 3
     starts[e + 1:] = 3
     gaps = np.array([0, big, big], np.int64)
-    fast, slow = _both_paths(
-        lambda: _xg.locate(old, BF16.shift, BF16.emask, starts, ends, gaps,
-                           np.empty(3, np.uint32)))
-    assert fast == slow == 1
+    codes = _every_path(lambda: _xg.locate(old, BF16.shift, BF16.emask, starts, ends, gaps,
+                                           np.empty(3, np.uint32)))
+    assert codes == [1] * len(_xg.simd_paths())
 
 
 @pytest.mark.parametrize("name", ["uint8", "int16", "float32", "float64", "float8_e4m3fn"])
@@ -502,15 +512,16 @@ def test_any_class_field_of_2_byte_elements_matches_reference(shift: int, emask:
     old = _weights(BF16, 5003, seed=shift)
     new = _changed(old, 0.05, seed=emask)
     ref_cls, ref_rank, ref_d = _reference_scan(old, new, fmt)
-    fast, slow = _both_paths(lambda: _scan(old, new, fmt))
-    _assert_same(fast, slow)
+    every = _every_path(lambda: _scan(old, new, fmt))
+    _assert_same(every)
+    fast = every[0]
     np.testing.assert_array_equal(fast[1], ref_cls)
     np.testing.assert_array_equal(fast[2], ref_rank)
     np.testing.assert_array_equal(fast[3].astype(np.uint64), ref_d)
-    lf, ls = _both_paths(lambda: _locate(old, fmt, fast[1], fast[2]))
-    _assert_same(lf, ls)
-    assert lf[0] == 0
-    np.testing.assert_array_equal(np.sort(lf[1]), np.flatnonzero(old != new))
+    located = _every_path(lambda: _locate(old, fmt, fast[1], fast[2]))
+    _assert_same(located)
+    assert located[0][0] == 0
+    np.testing.assert_array_equal(np.sort(located[0][1]), np.flatnonzero(old != new))
 
 
 def test_read_pair_reads_both_buffers_whole_words() -> None:
@@ -642,7 +653,7 @@ def _locate_apply(arr: np.ndarray, fmt: BitFormat, slots: tuple[np.ndarray, ...]
 @pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("density", [0.012, 0.3])
-def test_locate_apply_writes_new_exactly_on_both_paths(fmt: BitFormat, n: int,
+def test_locate_apply_writes_new_exactly_on_every_path(fmt: BitFormat, n: int,
                                                        density: float) -> None:
     old = _weights(fmt, n, seed=n)
     new = _changed(old, density, seed=n + 1)
@@ -656,7 +667,7 @@ def test_locate_apply_writes_new_exactly_on_both_paths(fmt: BitFormat, n: int,
         e, pos = _locate_apply(arr, fmt, slots)
         return e, pos, arr
 
-    for e, pos, arr in _both_paths(run):
+    for e, pos, arr in _every_path(run):
         assert e == 0
         np.testing.assert_array_equal(pos, want)
         np.testing.assert_array_equal(arr, new)
@@ -676,7 +687,7 @@ def test_locate_apply_past_the_population_leaves_arr_as_it_was(fmt: BitFormat) -
         e, _ = _locate_apply(arr, fmt, (starts, ends, gaps, dd))
         return e, arr
 
-    for e, arr in _both_paths(run):
+    for e, arr in _every_path(run):
         assert e == 1
         np.testing.assert_array_equal(arr, old)
 

@@ -42,8 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="threads for every stage (default: all cores)")
     p.add_argument("--repeat", type=int, default=3,
                    help="timed repetitions per stage; the best is reported (default 3)")
-    p.add_argument("--no-simd", action="store_true",
-                   help="run the portable scalar kernels even where AVX-512 is available")
     p.add_argument("--torch-device", metavar="DEV",
                    help="also extract with the torch-ops engine from states moved to DEV "
                         "(cuda, cuda:1, cpu...) and check its chunks are the same bytes")
@@ -244,8 +242,6 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or os.cpu_count() or 1
     if args.torch_device:
         _check_device(args.torch_device)
-    if args.no_simd:
-        _xg.set_simd(False)
     torch.set_num_threads(threads)
     old, new, label = _load_pair(args)
     layout = layout_of(new)
@@ -335,11 +331,27 @@ def run(args: argparse.Namespace) -> int:
         for c in chunks:
             p.apply(c.cid, c.data)
 
+    def patched_exactly() -> bool:
+        return holder[0].finish() is not None and all(
+            torch.equal(state[k].reshape(-1).view(torch.uint8),
+                        new[k].reshape(-1).view(torch.uint8)) for k in new)
+
     t_patch = _best(args.repeat, patch, reset)
-    verified = holder[0].finish() is not None
-    exact = verified and all(
-        torch.equal(state[k].reshape(-1).view(torch.uint8), new[k].reshape(-1).view(torch.uint8))
-        for k in new)
+    exact = patched_exactly()
+    # the slower kernel paths this CPU also runs, side by side: each must encode the same
+    # bytes and patch exactly
+    path_rows: list[tuple[str, float]] = []
+    paths = _xg.simd_paths()
+    try:
+        for path in paths[1:]:
+            _xg.set_simd(path)
+            path_rows.append((f"extract + encode ({path} kernels)",
+                              _best(args.repeat, lambda: list(delta_chunks(old, new, cfg)))))
+            path_rows.append((f"decode + patch ({path} kernels)", _best(args.repeat, patch, reset)))
+            exact = (exact and patched_exactly()
+                     and [c.data for c in delta_chunks(old, new, cfg)] == [c.data for c in chunks])
+    finally:
+        _xg.set_simd(paths[0])
     rows[4] = SizeRow(rows[4].name, ours, exact)
     reset()
     patcher = holder[0]
@@ -368,15 +380,17 @@ def run(args: argparse.Namespace) -> int:
         ("extract + encode (this codec)", t_enc),
         ("decode + patch (this codec)", t_patch),
         ("revert (applied chunks)", t_revert),
+        *path_rows,
         *dev_rows,
     ]
-    print(f"kernels: C extension, {_xg.simd()} path for 2-byte elements")
+    print(f"kernels: C extension, {paths[0]} path for 2-byte elements "
+          f"(this CPU runs: {', '.join(paths)})")
     print(f"{'stage':<44} {'GB/s':>7} {'vs memcpy':>10}")
     for name, t in stages:
         print(f"{name:<44} {gbs / t:>7.2f} {t_memcpy / t:>9.2f}x")
     print(f"state root vs blake3 contiguous: {t_blake / t_root:.2f}x   "
           f"(goals: encode and patch >= 0.5x memcpy, root >= 0.8x blake3)")
-    print(f"patched state verified against the signed target root: {verified}; "
+    print(f"patched state verified against the signed target root: {exact}; "
           f"revert restored the base root: {reverted}")
     if args.torch_device:
         print(f"torch-ops engine on {args.torch_device}: chunks identical to the C engine's: "

@@ -24,33 +24,33 @@ static inline uint64_t xg_unkey(uint64_t k, uint64_t signbit, uint64_t full) {
     return k ^ (signbit == 0 ? 0 : (signbit | (~pos & full)));
 }
 
-/* 1 when the SIMD paths below run on this CPU (x86-64 with AVX-512 F/BW and BMI2). */
-int xg_simd_available(void);
+/* Kernel paths for 2-byte elements, slowest first. */
+#define XG_SCALAR 0
+#define XG_AVX2 1   /* x86-64 with AVX2 and POPCNT */
+#define XG_AVX512 2 /* x86-64 with AVX-512 F/BW/VBMI/BITALG, GFNI, BMI1/2 */
 
-/* SIMD scan of 2-byte elements: class (exponent field), rank of the element within its
- * class in the segment, and key difference of every change, in element order within each
- * class. Returns the number of changes, -1 when more than ``cap`` changed, or
- * XG_UNSUPPORTED (nothing written that matters) when this CPU lacks the instructions. */
-int64_t xg_scan16_simd(const uint16_t *old, const uint16_t *new_, int64_t n, unsigned shift,
-                       unsigned emask, uint16_t signbit, uint16_t full, uint16_t *cls,
-                       uint32_t *rank, uint16_t *diff, int64_t cap);
+/* The fastest path this CPU runs, at most ``cap``. */
+int xg_simd_path(int cap);
+
+/* SIMD scan of 2-byte elements, on the fastest path at most ``cap``: class (exponent
+ * field), rank of the element within its class in the segment, and key difference of
+ * every change, in element order. Returns the number of changes, -1 when more than
+ * ``ncap`` changed, or XG_UNSUPPORTED (nothing written that matters) when no SIMD path
+ * runs on this CPU or input. */
+int64_t xg_scan16_simd(int cap, const uint16_t *old, const uint16_t *new_, int64_t n,
+                       unsigned shift, unsigned emask, uint16_t signbit, uint16_t full,
+                       uint16_t *cls, uint32_t *rank, uint16_t *diff, int64_t ncap);
 
 /* SIMD locate of 2-byte elements: class ``c`` has its changes' rank gaps at
  * ``gaps[class_start[c] .. class_end[c])``; writes each change's element index to
- * ``pos[class_start[c] + j]``. ``nclass`` is emask + 1. Returns 0, 1 when a class runs out
- * of elements before its last change, or XG_UNSUPPORTED. */
-int xg_locate16_simd(const uint16_t *old, int64_t n, unsigned shift, unsigned emask,
+ * ``pos[class_start[c] + j]``. ``nclass`` is emask + 1. With ``diffs`` (else NULL), each
+ * change is also written as it is placed: ``arr[pos] = unkey(key(arr[pos]) + diffs[slot])``,
+ * and when a class runs out of elements every change written is undone first. Returns 0,
+ * 1 when a class runs out of elements before its last change, or XG_UNSUPPORTED. */
+int xg_locate16_simd(int cap, uint16_t *arr, int64_t n, unsigned shift, unsigned emask,
                      const int64_t *class_start, const int64_t *class_end, int nclass,
-                     const int64_t *gaps, uint32_t *pos);
-
-/* xg_locate16_simd that also writes each change in place as it is placed:
- * ``arr[pos] = unkey(key(arr[pos]) + diffs[slot])``, the key difference of slot ``slot``.
- * When a class runs out of elements (1), every change written is undone first: ``arr`` is
- * as it was. */
-int xg_locate_apply16_simd(uint16_t *arr, int64_t n, unsigned shift, unsigned emask,
-                           const int64_t *class_start, const int64_t *class_end, int nclass,
-                           const int64_t *gaps, uint32_t *pos, const uint16_t *diffs,
-                           uint16_t signbit, uint16_t full);
+                     const int64_t *gaps, uint32_t *pos, const uint16_t *diffs,
+                     uint16_t signbit, uint16_t full);
 
 /* Reads two buffers of ``nwords`` 64-bit words once, as fast as this CPU reads memory, and
  * returns a fold of them (its value only keeps the reads from being optimized away). The

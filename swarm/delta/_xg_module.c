@@ -71,8 +71,8 @@ static inline uint64_t xg_bswap64(uint64_t x) {
     return (x << 32) | (x >> 32);
 }
 
-/* Whether the 2-byte kernels may take the SIMD paths (set_simd); read under the GIL. */
-static int use_simd = 1;
+/* The fastest path the 2-byte kernels may take (set_simd); read under the GIL. */
+static int simd_cap = XG_AVX512;
 
 /* ------------------------------------------------------------------------------------ */
 /* Kernels                                                                              */
@@ -978,7 +978,7 @@ static PyObject *xg_scan(PyObject *self, PyObject *args) {
     if (b[3].len < cap) { too_short("rank_out", b[3].len, cap); goto done; }
     if (b[4].len < cap) { too_short("d_out", b[4].len, cap); goto done; }
     int64_t nclass = emask + 1, k = XG_UNSUPPORTED;
-    int simd = use_simd;
+    int path = simd_cap;
     uint32_t *counts = NULL; /* the count rows of formats with more than XG_SMALL classes */
     if (nclass > XG_SMALL) {
         counts = calloc((size_t)(4 * nclass), sizeof(uint32_t));
@@ -989,8 +989,8 @@ static PyObject *xg_scan(PyObject *self, PyObject *args) {
     uint32_t *pr = b[3].view.buf;
     void *pd = b[4].view.buf;
     Py_BEGIN_ALLOW_THREADS
-    if (w == 2 && simd)
-        k = xg_scan16_simd(po, pn, n, (unsigned)shift, (unsigned)emask, (uint16_t)signbit,
+    if (w == 2)
+        k = xg_scan16_simd(path, po, pn, n, (unsigned)shift, (unsigned)emask, (uint16_t)signbit,
                            (uint16_t)full, pc, pr, pd, cap);
     if (k == XG_UNSUPPORTED) {
         unsigned s = (unsigned)shift;
@@ -1203,11 +1203,12 @@ static PyObject *xg_locate(PyObject *self, PyObject *args) {
     int64_t nclass = emask + 1, n = b[0].len;
     if (check_slots(b, nclass, 1, 3, 4, -1) < 0) goto done;
     const int64_t *cs = b[1].view.buf, *ce = b[2].view.buf;
-    int rc = XG_UNSUPPORTED, simd = use_simd;
+    int rc = XG_UNSUPPORTED, cap = simd_cap;
     Py_BEGIN_ALLOW_THREADS
-    if (w == 2 && simd)
-        rc = xg_locate16_simd(b[0].view.buf, n, (unsigned)shift, (unsigned)emask, cs, ce,
-                              (int)nclass, b[3].view.buf, b[4].view.buf);
+    if (w == 2) /* reads old only: no diffs, nothing written */
+        rc = xg_locate16_simd(cap, (uint16_t *)b[0].view.buf, n, (unsigned)shift,
+                              (unsigned)emask, cs, ce, (int)nclass, b[3].view.buf,
+                              b[4].view.buf, NULL, 0, 0);
     if (rc == XG_UNSUPPORTED)
         rc = locate(b[0].view.buf, w, n, (unsigned)shift, (uint64_t)emask, cs, ce, nclass,
                     b[3].view.buf, b[4].view.buf);
@@ -1252,10 +1253,10 @@ static PyObject *xg_locate_apply(PyObject *self, PyObject *args) {
     if (check_slots(b, nclass, 1, 3, 4, 5) < 0) goto done;
     const int64_t *cs = b[1].view.buf, *ce = b[2].view.buf;
     uint32_t *pos = b[4].view.buf;
-    int rc = XG_UNSUPPORTED, simd = use_simd;
+    int rc = XG_UNSUPPORTED, cap = simd_cap;
     Py_BEGIN_ALLOW_THREADS
-    if (w == 2 && simd)
-        rc = xg_locate_apply16_simd(b[0].view.buf, n, (unsigned)shift, (unsigned)emask, cs, ce,
+    if (w == 2)
+        rc = xg_locate16_simd(cap, b[0].view.buf, n, (unsigned)shift, (unsigned)emask, cs, ce,
                                     (int)nclass, b[3].view.buf, pos, b[5].view.buf,
                                     (uint16_t)signbit, (uint16_t)full);
     if (rc == XG_UNSUPPORTED) {
@@ -1430,26 +1431,48 @@ done:
     return res;
 }
 
+static const char *const PATH_NAMES[] = {"scalar", "avx2", "avx512"};
+
 PyDoc_STRVAR(simd_doc,
 "simd() -> str\n\n"
-"The path the 2-byte kernels take on this CPU: \"avx512\" or \"scalar\".");
+"The path the 2-byte kernels take on this CPU: \"avx512\", \"avx2\" or \"scalar\".");
 
 static PyObject *xg_simd(PyObject *self, PyObject *args) {
     (void)self; (void)args;
-    return PyUnicode_FromString(use_simd && xg_simd_available() ? "avx512" : "scalar");
+    return PyUnicode_FromString(PATH_NAMES[xg_simd_path(simd_cap)]);
+}
+
+PyDoc_STRVAR(simd_paths_doc,
+"simd_paths() -> list[str]\n\n"
+"Every path the 2-byte kernels can take on this CPU, fastest first.");
+
+static PyObject *xg_simd_paths(PyObject *self, PyObject *args) {
+    (void)self; (void)args;
+    PyObject *res = PyList_New(0);
+    for (int p = xg_simd_path(XG_AVX512); res != NULL && p >= XG_SCALAR; p--) {
+        PyObject *name = PyUnicode_FromString(PATH_NAMES[p]);
+        if (name == NULL || PyList_Append(res, name) < 0) Py_CLEAR(res);
+        Py_XDECREF(name);
+    }
+    return res;
 }
 
 PyDoc_STRVAR(set_simd_doc,
-"set_simd(enabled) -> None\n\n"
-"Allow (the default) or forbid the SIMD paths of the 2-byte kernels (process-wide; for\n"
-"tests and benchmarks of the scalar path).");
+"set_simd(path) -> None\n\n"
+"The fastest path the 2-byte kernels may take: \"avx512\" (the default: the best this CPU\n"
+"runs), \"avx2\" or \"scalar\" (process-wide; for tests and benchmarks of slower paths).");
 
 static PyObject *xg_set_simd(PyObject *self, PyObject *arg) {
     (void)self;
-    int v = PyObject_IsTrue(arg);
-    if (v < 0) return NULL;
-    use_simd = v;
-    Py_RETURN_NONE;
+    for (int p = XG_SCALAR; p <= XG_AVX512; p++) {
+        if (PyUnicode_Check(arg) && PyUnicode_CompareWithASCIIString(arg, PATH_NAMES[p]) == 0) {
+            simd_cap = p;
+            Py_RETURN_NONE;
+        }
+    }
+    PyErr_Format(PyExc_ValueError, "set_simd: path must be \"avx512\", \"avx2\" or "
+                 "\"scalar\", not %R", arg);
+    return NULL;
 }
 
 static PyMethodDef xg_methods[] = {
@@ -1463,6 +1486,7 @@ static PyMethodDef xg_methods[] = {
     {"apply_diffs", xg_apply_diffs, METH_VARARGS, apply_diffs_doc},
     {"read_pair", xg_read_pair_py, METH_VARARGS, read_pair_doc},
     {"simd", xg_simd, METH_NOARGS, simd_doc},
+    {"simd_paths", xg_simd_paths, METH_NOARGS, simd_paths_doc},
     {"set_simd", xg_set_simd, METH_O, set_simd_doc},
     {NULL, NULL, 0, NULL},
 };

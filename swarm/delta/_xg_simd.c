@@ -40,22 +40,6 @@
  * a stalled load is not overlapped with the counting; 8 KiB ahead measured best here. */
 #define AHEAD 4096
 
-int xg_simd_available(void) {
-#ifdef XG_X86
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") &&
-                 __builtin_cpu_supports("gfni") && __builtin_cpu_supports("bmi") &&
-                 __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
-    }
-    return cached;
-#else
-    return 0;
-#endif
-}
-
 #ifdef XG_X86
 
 /* The first class id of the window holding the most elements of a sample (every element
@@ -84,6 +68,37 @@ static unsigned choose_base(const uint16_t *old, int64_t n, unsigned shift, unsi
         }
     }
     return base;
+}
+
+/* Where a scan writes its changes: class, rank and key difference, at most ``cap``. */
+typedef struct {
+    uint16_t *cls;
+    uint32_t *rank;
+    uint16_t *diff;
+    int64_t cap;
+} scan_out_t;
+
+static inline void emit(const scan_out_t *out, int64_t at, unsigned c, uint32_t rk, uint16_t o,
+                        uint16_t nw, uint16_t signbit, uint16_t full) {
+    out->cls[at] = (uint16_t)c;
+    out->rank[at] = rk;
+    out->diff[at] = (uint16_t)((xg_key(nw, signbit, full) - xg_key(o, signbit, full)) & full);
+}
+
+/* Elements from..n-1 one by one after ``nch`` changes, from the running counts of every
+ * class; the scan's result. */
+static int64_t scan_tail(const uint16_t *old, const uint16_t *nw, int64_t from, int64_t n,
+                         unsigned shift, unsigned emask, uint16_t signbit, uint16_t full,
+                         uint32_t *counts, const scan_out_t *out, int64_t nch) {
+    for (int64_t i = from; i < n; i++) {
+        const unsigned c = (old[i] >> shift) & emask;
+        if (old[i] != nw[i]) {
+            if (nch == out->cap) return -1;
+            emit(out, nch++, c, counts[c], old[i], nw[i], signbit, full);
+        }
+        counts[c]++;
+    }
+    return nch;
 }
 
 #define XG_TARGET \
@@ -162,8 +177,7 @@ XG_TARGET static inline __attribute__((always_inline)) uint64_t class_mask(__m51
 
 XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t n,
                                 unsigned shift, unsigned emask, uint16_t signbit, uint16_t full,
-                                uint16_t *cls_out, uint32_t *rank_out, uint16_t *diff,
-                                int64_t cap) {
+                                const scan_out_t *out) {
     const unsigned base = choose_base(old, n, shift, emask);
     const consts_t k = make_consts(shift, emask, base);
     __m512i run = _mm512_setzero_si512();
@@ -195,30 +209,15 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
                     rk = counts[c]++;
                     if (!((chg >> j) & 1)) continue;
                 }
-                if (nch == cap) return -1;
-                const int64_t i = s + j;
-                cls_out[nch] = (uint16_t)c;
-                rank_out[nch] = rk;
-                diff[nch] = (uint16_t)((xg_key(nw[i], signbit, full) - xg_key(old[i], signbit, full)) & full);
-                nch++;
+                if (nch == out->cap) return -1;
+                emit(out, nch++, c, rk, old[s + j], nw[s + j], signbit, full);
             } while (todo);
         }
         run = _mm512_add_epi32(run, x.cnt);
     }
     _mm512_storeu_si512(runs, run);
     for (int w = 0; w < WIN && base + w <= emask; w++) counts[base + w] = runs[w];
-    for (int64_t i = nv; i < n; i++) {
-        const unsigned c = (old[i] >> shift) & emask;
-        if (old[i] != nw[i]) {
-            if (nch == cap) return -1;
-            cls_out[nch] = (uint16_t)c;
-            rank_out[nch] = counts[c];
-            diff[nch] = (uint16_t)((xg_key(nw[i], signbit, full) - xg_key(old[i], signbit, full)) & full);
-            nch++;
-        }
-        counts[c]++;
-    }
-    return nch;
+    return scan_tail(old, nw, nv, n, shift, emask, signbit, full, counts, out, nch);
 }
 
 #define DONE INT64_MAX
@@ -276,6 +275,63 @@ static inline void put16(uint16_t *w, int64_t e, uint16_t d, uint16_t signbit, u
 
 static inline int32_t clamp_rank(int64_t t) { return t < NEVER ? (int32_t)t : NEVER; }
 
+/* What a locate knows besides the window: the chunk's slots and, per class, the next slot
+ * to place, its target rank and (outside the window) the running count. */
+typedef struct {
+    const int64_t *class_start, *class_end, *gaps;
+    uint32_t *pos;
+    uint16_t *dst; /* NULL, or the elements to write each change into as it is placed */
+    const uint16_t *diffs;
+    uint16_t signbit, full;
+    unsigned emask, nclass;
+    int64_t ptr[MAX_CLASSES], tgt[MAX_CLASSES], counts[MAX_CLASSES];
+} loc_t;
+
+/* 1 when a gap is negative or a rank lies past every element (nothing to place). */
+static int loc_init(loc_t *L, int64_t n, unsigned emask) {
+    L->emask = emask;
+    L->nclass = emask + 1;
+    for (unsigned c = 0; c < L->nclass; c++) {
+        if (L->class_start[c] < 0 || L->class_end[c] < L->class_start[c]) return 1;
+        for (int64_t p = L->class_start[c]; p < L->class_end[c]; p++)
+            if (L->gaps[p] < 0 || L->gaps[p] >= n) return 1;
+        L->ptr[c] = L->class_start[c];
+        L->tgt[c] = L->ptr[c] < L->class_end[c] ? L->gaps[L->ptr[c]] : DONE;
+        L->counts[c] = 0;
+    }
+    return 0;
+}
+
+/* Places the next change of class c at element e; returns the class's next target. */
+static inline int64_t loc_place(loc_t *L, unsigned c, int64_t e) {
+    L->pos[L->ptr[c]] = (uint32_t)e;
+    if (L->dst) put16(L->dst, e, L->diffs[L->ptr[c]], L->signbit, L->full);
+    L->tgt[c] = ++L->ptr[c] < L->class_end[c] ? L->tgt[c] + L->gaps[L->ptr[c]] + 1 : DONE;
+    return L->tgt[c];
+}
+
+/* Element e of class c counted one by one (outside the window, or in the tail). */
+static inline void loc_count(loc_t *L, unsigned c, int64_t e) {
+    if (L->counts[c]++ == L->tgt[c]) loc_place(L, c, e);
+}
+
+/* Counts elements from..n-1 one by one after the window classes' running counts
+ * ``runs``; 0 when every change was placed, else 1 with every write undone. */
+static int loc_finish(loc_t *L, const uint16_t *old, int64_t from, int64_t n, unsigned shift,
+                      unsigned base, const int32_t *runs) {
+    for (unsigned w = 0; w < WIN && base + w < L->nclass; w++) L->counts[base + w] = runs[w];
+    for (int64_t i = from; i < n; i++) loc_count(L, (old[i] >> shift) & L->emask, i);
+    for (unsigned c = 0; c < L->nclass; c++) {
+        if (L->ptr[c] == L->class_end[c]) continue;
+        if (L->dst) /* undo every change written, exactly */
+            for (unsigned u = 0; u < L->nclass; u++)
+                for (int64_t p = L->class_start[u]; p < L->ptr[u]; p++)
+                    put16(L->dst, L->pos[p], (uint16_t)(0u - L->diffs[p]), L->signbit, L->full);
+        return 1;
+    }
+    return 0;
+}
+
 /* The decoder holds each window class's next target rank in a register (16 x i32) next to
  * the running counts; a superblock whose count passes a target holds it, and the target
  * is picked out of the class's masks with pdep. Placing targets forms a dependency chain
@@ -287,21 +343,12 @@ static inline int32_t clamp_rank(int64_t t) { return t < NEVER ? (int32_t)t : NE
  * changes' lines come back from DRAM (about 30% of all lines at 1% density). Classes are
  * counted before their elements are written, so the writes never change a count. */
 XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, unsigned emask,
-                              const int64_t *class_start, const int64_t *class_end,
-                              const int64_t *gaps, uint32_t *pos, uint16_t *dst,
-                              const uint16_t *diffs, uint16_t signbit, uint16_t full) {
-    const unsigned nclass = emask + 1;
-    int64_t ptr[MAX_CLASSES], tgt[MAX_CLASSES], counts[MAX_CLASSES] = {0};
-    for (unsigned c = 0; c < nclass; c++) {
-        if (class_start[c] < 0 || class_end[c] < class_start[c]) return 1;
-        for (int64_t p = class_start[c]; p < class_end[c]; p++)
-            if (gaps[p] < 0 || gaps[p] >= n) return 1; /* a rank past every element */
-        ptr[c] = class_start[c];
-        tgt[c] = ptr[c] < class_end[c] ? gaps[ptr[c]] : DONE;
-    }
+                              loc_t *L) {
+    if (loc_init(L, n, emask)) return 1;
     const unsigned base = choose_base(old, n, shift, emask);
     int32_t init[WIN];
-    for (int w = 0; w < WIN; w++) init[w] = base + w < nclass ? clamp_rank(tgt[base + w]) : NEVER;
+    for (unsigned w = 0; w < WIN; w++)
+        init[w] = base + w < L->nclass ? clamp_rank(L->tgt[base + w]) : NEVER;
     __m512i tgtv = _mm512_loadu_si512(init);
     __m512i run = _mm512_setzero_si512();
     const consts_t k = make_consts(shift, emask, base);
@@ -326,21 +373,13 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
                 start[v] = sum;
                 sum += (int64_t)_mm_popcnt_u64(m[v]);
             }
-            int64_t t = tgt[c];
+            int64_t t = L->tgt[c];
             do {
                 const int64_t r = t - rb;
                 int v = 0;
                 for (int u = 1; u < SB_VECS; u++) v += r >= start[u];
-                const int64_t e = s + 64 * v + __builtin_ctzll(_pdep_u64(1ULL << (r - start[v]), m[v]));
-                pos[ptr[c]] = (uint32_t)e;
-                if (dst) put16(dst, e, diffs[ptr[c]], signbit, full);
-                if (++ptr[c] == class_end[c]) {
-                    t = DONE;
-                    break;
-                }
-                t += gaps[ptr[c]] + 1;
+                t = loc_place(L, c, s + 64 * v + __builtin_ctzll(_pdep_u64(1ULL << (r - start[v]), m[v])));
             } while (t < ra);
-            tgt[c] = t;
             tgtv = _mm512_mask_set1_epi32(tgtv, (__mmask16)(1u << w), clamp_rank(t));
         }
         run = after;
@@ -350,36 +389,248 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
                 _mm512_storeu_si512(cls, sb->cls[v]);
                 for (; out; out &= out - 1) {
                     const int j = __builtin_ctzll(out);
-                    const unsigned c = cls[j];
-                    if (counts[c]++ == tgt[c]) {
-                        pos[ptr[c]] = (uint32_t)(s + 64 * v + j);
-                        if (dst) put16(dst, s + 64 * v + j, diffs[ptr[c]], signbit, full);
-                        tgt[c] = ++ptr[c] < class_end[c] ? tgt[c] + gaps[ptr[c]] + 1 : DONE;
-                    }
+                    loc_count(L, cls[j], s + 64 * v + j);
                 }
             }
         }
     }
     int32_t runs[WIN];
     _mm512_storeu_si512(runs, run);
-    for (int w = 0; w < WIN && base + w < nclass; w++) counts[base + w] = runs[w];
-    for (int64_t i = nb * SB_ELEMS; i < n; i++) {
-        const unsigned c = (old[i] >> shift) & emask;
-        if (counts[c]++ == tgt[c]) {
-            pos[ptr[c]] = (uint32_t)i;
-            if (dst) put16(dst, i, diffs[ptr[c]], signbit, full);
-            tgt[c] = ++ptr[c] < class_end[c] ? tgt[c] + gaps[ptr[c]] + 1 : DONE;
+    return loc_finish(L, old, nb * SB_ELEMS, n, shift, base, runs);
+}
+
+/* ---- AVX2 path --------------------------------------------------------------------------
+ * The same algorithm on CPUs without AVX-512 (Haswell to Raptor Lake, Zen 1-3): superblocks
+ * of SB2_ELEMS elements, 32 class bytes a vector. Without gf2p8affine the window classes
+ * are counted by comparing every class byte with each of the 16 window ids (a byte
+ * counter per lane, at most SB2_VECS), and one maddubs + hadd tree per superblock sums the
+ * lanes. Without a fast pdep everywhere (Zen 1/2 microcode it), a target is picked out of
+ * its class's 32-bit mask by clearing lower bits. Needs AVX2 and POPCNT.
+ */
+#define XG_TARGET2 __attribute__((target("avx2,popcnt")))
+#define SB2_VECS 8
+#define SB2_ELEMS (32 * SB2_VECS)
+
+typedef struct {
+    __m128i shift;
+    __m256i emask, base, hinib, to_index;
+    __m256i pair_lut[WIN / 2]; /* 1 at index w, 16 at index w + 8 */
+} consts2_t;
+
+/* A counted superblock: window offset (class - base, mod 256) of each element, the
+ * elements in the window, and the count of each window class (16 x i32, two vectors). */
+typedef struct {
+    __m256i r[SB2_VECS];
+    uint32_t inwin[SB2_VECS];
+    __m256i cnt_lo, cnt_hi;
+} sb2_t;
+
+XG_TARGET2 static inline __attribute__((always_inline)) consts2_t make_consts2(unsigned shift,
+                                                                              unsigned emask,
+                                                                              unsigned base) {
+    consts2_t k;
+    k.shift = _mm_cvtsi32_si128((int)shift);
+    k.emask = _mm256_set1_epi16((short)emask);
+    k.base = _mm256_set1_epi8((char)base);
+    k.hinib = _mm256_set1_epi8((char)0xF0);
+    k.to_index = _mm256_set1_epi8(0x70);
+    for (int w = 0; w < WIN / 2; w++) {
+        int8_t lut[16] = {0};
+        lut[w] = 1;
+        lut[w + WIN / 2] = 16;
+        k.pair_lut[w] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
+    }
+    return k;
+}
+
+/* Bytes of 32 16-bit lanes (each < 256) in element order. */
+XG_TARGET2 static inline __attribute__((always_inline)) __m256i pack32(__m256i a, __m256i b) {
+    return _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* Elements of 32 whose window offset is ``w``. */
+XG_TARGET2 static inline __attribute__((always_inline)) uint32_t win_mask(__m256i r, unsigned w) {
+    return (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(r, _mm256_set1_epi8((char)w)));
+}
+
+XG_TARGET2 static inline __attribute__((always_inline)) void
+count_superblock2(const uint16_t *o, const consts2_t *k, sb2_t *sb) {
+    for (int v = 0; v < SB2_VECS; v++) {
+        const uint16_t *p = o + 32 * v;
+        _mm_prefetch((const char *)(p + AHEAD), _MM_HINT_T0);
+        const __m256i a = _mm256_and_si256(
+            _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)p), k->shift), k->emask);
+        const __m256i b = _mm256_and_si256(
+            _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)(p + 16)), k->shift), k->emask);
+        const __m256i r = _mm256_sub_epi8(pack32(a, b), k->base);
+        sb->r[v] = r;
+        sb->inwin[v] = (uint32_t)_mm256_movemask_epi8(
+            _mm256_cmpeq_epi8(_mm256_and_si256(r, k->hinib), _mm256_setzero_si256()));
+    }
+    /* Window classes w and w + 8 share a byte counter per lane: vpshufb looks up 1 or 16
+     * (a nibble each: at most SB2_VECS), halving the work of a compare per class. The
+     * index saturates to >= 0x80 (lookup 0) outside the window. */
+    __m256i idx[SB2_VECS];
+    for (int v = 0; v < SB2_VECS; v++) idx[v] = _mm256_adds_epu8(sb->r[v], k->to_index);
+    const __m256i ones = _mm256_set1_epi8(1), nib = _mm256_set1_epi8(0x0F);
+    __m256i m[WIN];
+    for (int w = 0; w < WIN / 2; w++) {
+        const __m256i lut = k->pair_lut[w];
+        __m256i acc = _mm256_setzero_si256();
+        for (int v = 0; v < SB2_VECS; v++) acc = _mm256_add_epi8(acc, _mm256_shuffle_epi8(lut, idx[v]));
+        m[w] = _mm256_maddubs_epi16(_mm256_and_si256(acc, nib), ones);
+        m[w + WIN / 2] = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(acc, 4), nib), ones);
+    }
+    /* three hadd levels leave, per 128-bit lane, one sum per class of 8; add the lanes */
+    __m256i h[8], g[4], f[2];
+    for (int i = 0; i < 8; i++) h[i] = _mm256_hadd_epi16(m[2 * i], m[2 * i + 1]);
+    for (int i = 0; i < 4; i++) g[i] = _mm256_hadd_epi16(h[2 * i], h[2 * i + 1]);
+    for (int i = 0; i < 2; i++) f[i] = _mm256_hadd_epi16(g[2 * i], g[2 * i + 1]);
+    sb->cnt_lo = _mm256_cvtepu16_epi32(_mm_add_epi16(_mm256_castsi256_si128(f[0]),
+                                                     _mm256_extracti128_si256(f[0], 1)));
+    sb->cnt_hi = _mm256_cvtepu16_epi32(_mm_add_epi16(_mm256_castsi256_si128(f[1]),
+                                                     _mm256_extracti128_si256(f[1], 1)));
+}
+
+/* Window-class elements of the superblock before element ``j`` of vector ``v``. */
+XG_TARGET2 static inline __attribute__((always_inline)) uint32_t
+sb2_rank(const sb2_t *sb, int v, int j, unsigned w) {
+    uint32_t r = (uint32_t)_mm_popcnt_u32(win_mask(sb->r[v], w) & ((1u << j) - 1u));
+    for (int u = 0; u < v; u++) r += (uint32_t)_mm_popcnt_u32(win_mask(sb->r[u], w));
+    return r;
+}
+
+static inline unsigned select32(uint32_t m, uint32_t k) {
+    while (k--) m &= m - 1;
+    return (unsigned)__builtin_ctz(m);
+}
+
+XG_TARGET2 static int64_t scan16_avx2(const uint16_t *old, const uint16_t *nw, int64_t n,
+                                      unsigned shift, unsigned emask, uint16_t signbit,
+                                      uint16_t full, const scan_out_t *out) {
+    const unsigned base = choose_base(old, n, shift, emask);
+    const consts2_t k = make_consts2(shift, emask, base);
+    __m256i run_lo = _mm256_setzero_si256(), run_hi = _mm256_setzero_si256();
+    uint32_t counts[MAX_CLASSES] = {0}, runs[WIN];
+    sb2_t sb;
+    int64_t nch = 0;
+    const int64_t nb = n / SB2_ELEMS;
+    for (int64_t i = 0; i < nb; i++) {
+        const int64_t s = i * SB2_ELEMS;
+        count_superblock2(old + s, &k, &sb);
+        uint32_t todo_v[SB2_VECS], chg[SB2_VECS], any = 0;
+        for (int v = 0; v < SB2_VECS; v++) {
+            const uint16_t *o = old + s + 32 * v, *q = nw + s + 32 * v;
+            _mm_prefetch((const char *)(q + AHEAD), _MM_HINT_T0);
+            const __m256i e0 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)o),
+                                                  _mm256_loadu_si256((const __m256i *)q));
+            const __m256i e1 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(o + 16)),
+                                                  _mm256_loadu_si256((const __m256i *)(q + 16)));
+            chg[v] = ~(uint32_t)_mm256_movemask_epi8(
+                _mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), _MM_SHUFFLE(3, 1, 2, 0)));
+            todo_v[v] = chg[v] | ~sb.inwin[v];
+            any |= todo_v[v];
+        }
+        if (any) {
+            _mm256_storeu_si256((__m256i *)runs, run_lo);
+            _mm256_storeu_si256((__m256i *)(runs + 8), run_hi);
+            for (int v = 0; v < SB2_VECS; v++) {
+                const uint8_t *rb = (const uint8_t *)&sb.r[v];
+                for (uint32_t todo = todo_v[v]; todo; todo &= todo - 1) {
+                    const int j = __builtin_ctz(todo);
+                    const unsigned w = rb[j], c = (w + base) & 0xFF;
+                    uint32_t rk;
+                    if ((sb.inwin[v] >> j) & 1) {
+                        rk = runs[w] + sb2_rank(&sb, v, j, w);
+                    } else {
+                        rk = counts[c]++;
+                        if (!((chg[v] >> j) & 1)) continue;
+                    }
+                    if (nch == out->cap) return -1;
+                    emit(out, nch++, c, rk, old[s + 32 * v + j], nw[s + 32 * v + j], signbit, full);
+                }
+            }
+        }
+        run_lo = _mm256_add_epi32(run_lo, sb.cnt_lo);
+        run_hi = _mm256_add_epi32(run_hi, sb.cnt_hi);
+    }
+    _mm256_storeu_si256((__m256i *)runs, run_lo);
+    _mm256_storeu_si256((__m256i *)(runs + 8), run_hi);
+    for (int w = 0; w < WIN && base + w <= emask; w++) counts[base + w] = runs[w];
+    return scan_tail(old, nw, nb * SB2_ELEMS, n, shift, emask, signbit, full, counts, out, nch);
+}
+
+/* locate16 on AVX2: the window classes' next target ranks in two vectors next to the
+ * running counts; counting runs one superblock ahead of placing (see locate16). */
+XG_TARGET2 static int locate16_avx2(const uint16_t *old, int64_t n, unsigned shift,
+                                    unsigned emask, loc_t *L) {
+    if (loc_init(L, n, emask)) return 1;
+    const unsigned base = choose_base(old, n, shift, emask);
+    int32_t tg[WIN], rb[WIN], ra[WIN];
+    for (unsigned w = 0; w < WIN; w++)
+        tg[w] = base + w < L->nclass ? clamp_rank(L->tgt[base + w]) : NEVER;
+    __m256i tgt_lo = _mm256_loadu_si256((const __m256i *)tg);
+    __m256i tgt_hi = _mm256_loadu_si256((const __m256i *)(tg + 8));
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i run_lo = _mm256_setzero_si256(), run_hi = _mm256_setzero_si256();
+    const consts2_t k = make_consts2(shift, emask, base);
+    sb2_t buf[2];
+    const int64_t nb = n / SB2_ELEMS;
+    if (nb > 0) count_superblock2(old, &k, &buf[0]);
+    for (int64_t i = 0; i < nb; i++) {
+        if (i + 1 < nb) count_superblock2(old + (i + 1) * SB2_ELEMS, &k, &buf[(i + 1) & 1]);
+        const sb2_t *sb = &buf[i & 1];
+        const int64_t s = i * SB2_ELEMS;
+        _mm256_storeu_si256((__m256i *)rb, run_lo);
+        _mm256_storeu_si256((__m256i *)(rb + 8), run_hi);
+        run_lo = _mm256_add_epi32(run_lo, sb->cnt_lo);
+        run_hi = _mm256_add_epi32(run_hi, sb->cnt_hi);
+        uint32_t hit = (uint32_t)_mm256_movemask_ps(
+                           _mm256_castsi256_ps(_mm256_cmpgt_epi32(run_lo, tgt_lo))) |
+                       (uint32_t)_mm256_movemask_ps(
+                           _mm256_castsi256_ps(_mm256_cmpgt_epi32(run_hi, tgt_hi))) << 8;
+        if (hit) {
+            _mm256_storeu_si256((__m256i *)ra, run_lo);
+            _mm256_storeu_si256((__m256i *)(ra + 8), run_hi);
+        }
+        for (; hit; hit &= hit - 1) {
+            const unsigned w = (unsigned)__builtin_ctz(hit), c = base + w;
+            uint32_t m[SB2_VECS];
+            int64_t start[SB2_VECS];
+            int64_t sum = 0;
+            for (int v = 0; v < SB2_VECS; v++) {
+                m[v] = win_mask(sb->r[v], w);
+                start[v] = sum;
+                sum += _mm_popcnt_u32(m[v]);
+            }
+            int64_t t = L->tgt[c];
+            do {
+                const int64_t r = t - rb[w];
+                int v = 0;
+                for (int u = 1; u < SB2_VECS; u++) v += r >= start[u];
+                t = loc_place(L, c, s + 32 * v + select32(m[v], (uint32_t)(r - start[v])));
+            } while (t < ra[w]);
+            const __m256i tv = _mm256_set1_epi32(clamp_rank(t));
+            const __m256i at = _mm256_cmpeq_epi32(lanes, _mm256_set1_epi32((int)(w & 7)));
+            if (w < 8)
+                tgt_lo = _mm256_blendv_epi8(tgt_lo, tv, at);
+            else
+                tgt_hi = _mm256_blendv_epi8(tgt_hi, tv, at);
+        }
+        for (int v = 0; v < SB2_VECS; v++) {
+            uint32_t out = ~sb->inwin[v];
+            if (__builtin_expect(out != 0, 0)) {
+                const uint8_t *rv = (const uint8_t *)&sb->r[v];
+                for (; out; out &= out - 1) {
+                    const int j = __builtin_ctz(out);
+                    loc_count(L, (rv[j] + base) & 0xFF, s + 32 * v + j);
+                }
+            }
         }
     }
-    for (unsigned c = 0; c < nclass; c++) {
-        if (ptr[c] == class_end[c]) continue;
-        if (dst) /* undo every change written, exactly */
-            for (unsigned u = 0; u < nclass; u++)
-                for (int64_t p = class_start[u]; p < ptr[u]; p++)
-                    put16(dst, pos[p], (uint16_t)(0u - diffs[p]), signbit, full);
-        return 1;
-    }
-    return 0;
+    _mm256_storeu_si256((__m256i *)rb, run_lo);
+    _mm256_storeu_si256((__m256i *)(rb + 8), run_hi);
+    return loc_finish(L, old, nb * SB2_ELEMS, n, shift, base, rb);
 }
 
 XG_TARGET static uint64_t read_pair512(const uint64_t *a, const uint64_t *b, int64_t nwords) {
@@ -397,54 +648,73 @@ XG_TARGET static uint64_t read_pair512(const uint64_t *a, const uint64_t *b, int
 
 #endif /* XG_X86 */
 
-int64_t xg_scan16_simd(const uint16_t *old, const uint16_t *new_, int64_t n, unsigned shift,
-                       unsigned emask, uint16_t signbit, uint16_t full, uint16_t *cls,
-                       uint32_t *rank, uint16_t *diff, int64_t cap) {
+int xg_simd_path(int cap) {
 #ifdef XG_X86
-    if (emask < MAX_CLASSES && shift < 16 && n < SIMD_MAX_ELEMS && xg_simd_available())
-        return scan16(old, new_, n, shift, emask, signbit, full, cls, rank, diff, cap);
+    static int best = -1;
+    if (best < 0) {
+        __builtin_cpu_init();
+        best = XG_SCALAR;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt")) best = XG_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") &&
+            __builtin_cpu_supports("gfni") && __builtin_cpu_supports("bmi") &&
+            __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"))
+            best = XG_AVX512;
+    }
+    return cap < best ? cap : best;
+#else
+    (void)cap;
+    return XG_SCALAR;
 #endif
-    (void)old; (void)new_; (void)n; (void)shift; (void)emask; (void)signbit; (void)full;
-    (void)cls; (void)rank; (void)diff; (void)cap;
+}
+
+#ifdef XG_X86
+/* The path a 2-byte kernel takes for this input, at most ``cap``. */
+static int path_for(int cap, int64_t n, unsigned shift, unsigned emask) {
+    if (emask >= MAX_CLASSES || shift >= 16 || n >= SIMD_MAX_ELEMS) return XG_SCALAR;
+    return xg_simd_path(cap);
+}
+#endif
+
+int64_t xg_scan16_simd(int cap, const uint16_t *old, const uint16_t *new_, int64_t n,
+                       unsigned shift, unsigned emask, uint16_t signbit, uint16_t full,
+                       uint16_t *cls, uint32_t *rank, uint16_t *diff, int64_t ncap) {
+#ifdef XG_X86
+    const scan_out_t out = {cls, rank, diff, ncap};
+    switch (path_for(cap, n, shift, emask)) {
+    case XG_AVX512: return scan16(old, new_, n, shift, emask, signbit, full, &out);
+    case XG_AVX2: return scan16_avx2(old, new_, n, shift, emask, signbit, full, &out);
+    default: break;
+    }
+#endif
+    (void)cap; (void)old; (void)new_; (void)n; (void)shift; (void)emask; (void)signbit;
+    (void)full; (void)cls; (void)rank; (void)diff; (void)ncap;
     return XG_UNSUPPORTED;
 }
 
-#ifdef XG_X86
-static int locate_ok(int64_t n, unsigned shift, unsigned emask, int nclass) {
-    return emask < MAX_CLASSES && shift < 16 && nclass == (int)emask + 1 && n < SIMD_MAX_ELEMS &&
-           xg_simd_available();
-}
-#endif
-
-int xg_locate16_simd(const uint16_t *old, int64_t n, unsigned shift, unsigned emask,
+int xg_locate16_simd(int cap, uint16_t *arr, int64_t n, unsigned shift, unsigned emask,
                      const int64_t *class_start, const int64_t *class_end, int nclass,
-                     const int64_t *gaps, uint32_t *pos) {
+                     const int64_t *gaps, uint32_t *pos, const uint16_t *diffs,
+                     uint16_t signbit, uint16_t full) {
 #ifdef XG_X86
-    if (locate_ok(n, shift, emask, nclass))
-        return locate16(old, n, shift, emask, class_start, class_end, gaps, pos, NULL, NULL, 0, 0);
+    if (nclass == (int)emask + 1) {
+        loc_t L = {class_start, class_end, gaps, pos, diffs ? arr : NULL, diffs, signbit, full};
+        switch (path_for(cap, n, shift, emask)) {
+        case XG_AVX512: return locate16(arr, n, shift, emask, &L);
+        case XG_AVX2: return locate16_avx2(arr, n, shift, emask, &L);
+        default: break;
+        }
+    }
 #endif
-    (void)old; (void)n; (void)shift; (void)emask; (void)class_start; (void)class_end;
-    (void)nclass; (void)gaps; (void)pos;
-    return XG_UNSUPPORTED;
-}
-
-int xg_locate_apply16_simd(uint16_t *arr, int64_t n, unsigned shift, unsigned emask,
-                           const int64_t *class_start, const int64_t *class_end, int nclass,
-                           const int64_t *gaps, uint32_t *pos, const uint16_t *diffs,
-                           uint16_t signbit, uint16_t full) {
-#ifdef XG_X86
-    if (locate_ok(n, shift, emask, nclass))
-        return locate16(arr, n, shift, emask, class_start, class_end, gaps, pos, arr, diffs,
-                        signbit, full);
-#endif
-    (void)arr; (void)n; (void)shift; (void)emask; (void)class_start; (void)class_end;
-    (void)nclass; (void)gaps; (void)pos; (void)diffs; (void)signbit; (void)full;
+    (void)cap; (void)arr; (void)n; (void)shift; (void)emask; (void)class_start;
+    (void)class_end; (void)nclass; (void)gaps; (void)pos; (void)diffs; (void)signbit;
+    (void)full;
     return XG_UNSUPPORTED;
 }
 
 uint64_t xg_read_pair(const uint64_t *a, const uint64_t *b, int64_t nwords) {
 #ifdef XG_X86
-    if (xg_simd_available()) return read_pair512(a, b, nwords);
+    if (xg_simd_path(XG_AVX512) == XG_AVX512) return read_pair512(a, b, nwords);
 #endif
     uint64_t x0 = 0, x1 = 0;
     int64_t i = 0;
