@@ -106,12 +106,18 @@ def _locate(old: np.ndarray, fmt: BitFormat, cls: np.ndarray, rank: np.ndarray
 
 
 def _every_path(fn: Callable[[], T]) -> list[T]:
-    """fn() on every kernel path this CPU runs, fastest first (the last is scalar)."""
+    """fn() on every kernel path this CPU runs, fastest first (the last is scalar); the
+    AVX2 path twice, with and without pdep (Zen 1/2 avoid it)."""
     results = []
     for path in _xg.simd_paths():
         _xg.set_simd(path)
         assert _xg.simd() == path
-        results.append(fn())
+        for slow_pdep in (False, True) if path == "avx2" else (False,):
+            was = _xg.set_slow_pdep(slow_pdep)
+            try:
+                results.append(fn())
+            finally:
+                _xg.set_slow_pdep(was)
     _xg.set_simd("avx512")
     return results
 
@@ -198,7 +204,7 @@ def test_random_bits_agree_on_every_path(data: st.DataObject, fp16: bool, n: int
 def test_scan_reports_overflow_on_every_path(fmt: BitFormat) -> None:
     old = _weights(fmt, 5000, seed=3)
     new = _changed(old, 0.3, seed=4)
-    assert _every_path(lambda: _scan(old, new, fmt, cap=100)[0]) == [-1] * len(_xg.simd_paths())
+    assert set(_every_path(lambda: _scan(old, new, fmt, cap=100)[0])) == {-1}
 
 
 @pytest.mark.parametrize("fmt", [BF16, FP16], ids=["bf16", "fp16"])
@@ -213,7 +219,7 @@ def test_locate_past_the_population_is_code_1_on_every_path(fmt: BitFormat) -> N
     gaps = np.array([population], np.int64)  # rank == population: one past the last
     codes = _every_path(lambda: _xg.locate(old, fmt.shift, fmt.emask, starts, ends, gaps,
                                            np.empty(1, np.uint32)))
-    assert codes == [1] * len(_xg.simd_paths())
+    assert set(codes) == {1}
 
 
 @pytest.mark.parametrize("big", [2**62, 2**40, 2**31, 5000])
@@ -229,7 +235,7 @@ def test_locate_gaps_past_the_segment_are_code_1_on_every_path(big: int) -> None
     gaps = np.array([0, big, big], np.int64)
     codes = _every_path(lambda: _xg.locate(old, BF16.shift, BF16.emask, starts, ends, gaps,
                                            np.empty(3, np.uint32)))
-    assert codes == [1] * len(_xg.simd_paths())
+    assert set(codes) == {1}
 
 
 @pytest.mark.parametrize("name", ["uint8", "int16", "float32", "float64", "float8_e4m3fn"])

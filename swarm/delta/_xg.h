@@ -26,11 +26,18 @@ static inline uint64_t xg_unkey(uint64_t k, uint64_t signbit, uint64_t full) {
 
 /* Kernel paths for 2-byte elements, slowest first. */
 #define XG_SCALAR 0
-#define XG_AVX2 1   /* x86-64 with AVX2 and POPCNT */
+#define XG_AVX2 1   /* x86-64 with AVX2, POPCNT and BMI1/2 */
 #define XG_AVX512 2 /* x86-64 with AVX-512 F/BW/VBMI/BITALG, GFNI, BMI1/2 */
+
+/* Reads the CPU's features (once, before any kernel runs: at module import). */
+void xg_simd_init(void);
 
 /* The fastest path this CPU runs, at most ``cap``. */
 int xg_simd_path(int cap);
+
+/* Whether the AVX2 locate avoids pdep (xg_simd_init sets it on Zen 1/2, whose pdep is
+ * microcode); for tests of either branch on any CPU. Returns the previous setting. */
+int xg_set_slow_pdep(int slow);
 
 /* SIMD scan of 2-byte elements, on the fastest path at most ``cap``: class (exponent
  * field), rank of the element within its class in the segment, and key difference of

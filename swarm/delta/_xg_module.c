@@ -1475,6 +1475,19 @@ static PyObject *xg_set_simd(PyObject *self, PyObject *arg) {
     return NULL;
 }
 
+PyDoc_STRVAR(set_slow_pdep_doc,
+"set_slow_pdep(slow) -> bool\n\n"
+"Whether the AVX2 locate avoids pdep, as it does on Zen 1/2 where pdep is microcode (set\n"
+"at import from the CPU; process-wide; for tests of either branch). Returns the previous\n"
+"setting.");
+
+static PyObject *xg_set_slow_pdep_py(PyObject *self, PyObject *arg) {
+    (void)self;
+    int v = PyObject_IsTrue(arg);
+    if (v < 0) return NULL;
+    return PyBool_FromLong(xg_set_slow_pdep(v));
+}
+
 static PyMethodDef xg_methods[] = {
     {"scan", xg_scan, METH_VARARGS, scan_doc},
     {"group_encode", xg_group_encode, METH_VARARGS, group_encode_doc},
@@ -1488,10 +1501,12 @@ static PyMethodDef xg_methods[] = {
     {"simd", xg_simd, METH_NOARGS, simd_doc},
     {"simd_paths", xg_simd_paths, METH_NOARGS, simd_paths_doc},
     {"set_simd", xg_set_simd, METH_O, set_simd_doc},
+    {"set_slow_pdep", xg_set_slow_pdep_py, METH_O, set_slow_pdep_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static int xg_exec(PyObject *m) {
+    xg_simd_init();
     if (PyModule_AddIntConstant(m, "ESCAPE", ESCAPE) < 0
         || PyModule_AddIntConstant(m, "RICE_KMAX", RICE_KMAX) < 0
         || PyModule_AddIntConstant(m, "RICE_QMAX", RICE_QMAX) < 0

@@ -404,10 +404,10 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
  * of SB2_ELEMS elements, 32 class bytes a vector. Without gf2p8affine the window classes
  * are counted by comparing every class byte with each of the 16 window ids (a byte
  * counter per lane, at most SB2_VECS), and one maddubs + hadd tree per superblock sums the
- * lanes. Without a fast pdep everywhere (Zen 1/2 microcode it), a target is picked out of
- * its class's 32-bit mask by clearing lower bits. Needs AVX2 and POPCNT.
+ * lanes. Needs AVX2, POPCNT and BMI1/2 (every AVX2 CPU has them); on Zen 1/2, whose pdep
+ * is microcode, a target is picked out of its class's mask by clearing lower bits.
  */
-#define XG_TARGET2 __attribute__((target("avx2,popcnt")))
+#define XG_TARGET2 __attribute__((target("avx2,popcnt,bmi,bmi2")))
 #define SB2_VECS 8
 #define SB2_ELEMS (32 * SB2_VECS)
 
@@ -500,9 +500,16 @@ sb2_rank(const sb2_t *sb, int v, int j, unsigned w) {
     return r;
 }
 
-static inline unsigned select32(uint32_t m, uint32_t k) {
-    while (k--) m &= m - 1;
-    return (unsigned)__builtin_ctz(m);
+/* Zen 1/2 run pdep in microcode (tens to hundreds of cycles): clear lower bits there. */
+static int slow_pdep;
+
+/* The offset of the k-th (from 0) set bit of m. */
+XG_TARGET2 static inline __attribute__((always_inline)) unsigned select32(uint32_t m, uint32_t k) {
+    if (slow_pdep) {
+        while (k--) m &= m - 1;
+        return (unsigned)__builtin_ctz(m);
+    }
+    return (unsigned)__builtin_ctz(_pdep_u32(1u << k, m));
 }
 
 XG_TARGET2 static int64_t scan16_avx2(const uint16_t *old, const uint16_t *nw, int64_t n,
@@ -648,25 +655,36 @@ XG_TARGET static uint64_t read_pair512(const uint64_t *a, const uint64_t *b, int
 
 #endif /* XG_X86 */
 
-int xg_simd_path(int cap) {
+static int best_path = XG_SCALAR;
+
+void xg_simd_init(void) {
 #ifdef XG_X86
-    static int best = -1;
-    if (best < 0) {
-        __builtin_cpu_init();
-        best = XG_SCALAR;
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt")) best = XG_AVX2;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") &&
-            __builtin_cpu_supports("gfni") && __builtin_cpu_supports("bmi") &&
-            __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"))
-            best = XG_AVX512;
-    }
-    return cap < best ? cap : best;
-#else
-    (void)cap;
-    return XG_SCALAR;
+    __builtin_cpu_init();
+    best_path = XG_SCALAR;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt") &&
+        __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2"))
+        best_path = XG_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") &&
+        __builtin_cpu_supports("gfni") && __builtin_cpu_supports("bmi") &&
+        __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"))
+        best_path = XG_AVX512;
+    slow_pdep = __builtin_cpu_is("znver1") || __builtin_cpu_is("znver2");
 #endif
 }
+
+int xg_set_slow_pdep(int slow) {
+#ifdef XG_X86
+    const int was = slow_pdep;
+    slow_pdep = slow;
+    return was;
+#else
+    (void)slow;
+    return 0;
+#endif
+}
+
+int xg_simd_path(int cap) { return cap < best_path ? cap : best_path; }
 
 #ifdef XG_X86
 /* The path a 2-byte kernel takes for this input, at most ``cap``. */
