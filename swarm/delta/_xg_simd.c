@@ -504,12 +504,12 @@ sb2_rank(const sb2_t *sb, int v, int j, unsigned w) {
 static int slow_pdep;
 
 /* The offset of the k-th (from 0) set bit of m. */
-XG_TARGET2 static inline __attribute__((always_inline)) unsigned select32(uint32_t m, uint32_t k) {
+XG_TARGET2 static inline __attribute__((always_inline)) unsigned select64(uint64_t m, uint32_t k) {
     if (slow_pdep) {
         while (k--) m &= m - 1;
-        return (unsigned)__builtin_ctz(m);
+        return (unsigned)__builtin_ctzll(m);
     }
-    return (unsigned)__builtin_ctz(_pdep_u32(1u << k, m));
+    return (unsigned)__builtin_ctzll(_pdep_u64(1ULL << k, m));
 }
 
 XG_TARGET2 static int64_t scan16_avx2(const uint16_t *old, const uint16_t *nw, int64_t n,
@@ -602,20 +602,20 @@ XG_TARGET2 static int locate16_avx2(const uint16_t *old, int64_t n, unsigned shi
         }
         for (; hit; hit &= hit - 1) {
             const unsigned w = (unsigned)__builtin_ctz(hit), c = base + w;
-            uint32_t m[SB2_VECS];
-            int64_t start[SB2_VECS];
+            uint64_t m[SB2_VECS / 2]; /* 64 elements a mask */
+            int64_t start[SB2_VECS / 2];
             int64_t sum = 0;
-            for (int v = 0; v < SB2_VECS; v++) {
-                m[v] = win_mask(sb->r[v], w);
-                start[v] = sum;
-                sum += _mm_popcnt_u32(m[v]);
+            for (int q = 0; q < SB2_VECS / 2; q++) {
+                m[q] = win_mask(sb->r[2 * q], w) | (uint64_t)win_mask(sb->r[2 * q + 1], w) << 32;
+                start[q] = sum;
+                sum += (int64_t)_mm_popcnt_u64(m[q]);
             }
             int64_t t = L->tgt[c];
             do {
                 const int64_t r = t - rb[w];
-                int v = 0;
-                for (int u = 1; u < SB2_VECS; u++) v += r >= start[u];
-                t = loc_place(L, c, s + 32 * v + select32(m[v], (uint32_t)(r - start[v])));
+                int q = 0;
+                for (int u = 1; u < SB2_VECS / 2; u++) q += r >= start[u];
+                t = loc_place(L, c, s + 64 * q + select64(m[q], (uint32_t)(r - start[q])));
             } while (t < ra[w]);
             const __m256i tv = _mm256_set1_epi32(clamp_rank(t));
             const __m256i at = _mm256_cmpeq_epi32(lanes, _mm256_set1_epi32((int)(w & 7)));
