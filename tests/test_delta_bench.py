@@ -55,7 +55,8 @@ def test_bench_on_user_checkpoints_prints_every_row(tmp_path: Path,
     paths = _xg.simd_paths()
     assert _xg.simd() == paths[0]  # the bench leaves the fastest path on
     for needle in ("AuroraRL/SparrowRL", "NeMo-DCR", "swarm-xg1", "positions | old exponent",
-                   "vs memcpy", "extraction's floor", f"{paths[0]} path", "state root vs blake3",
+                   "vs memcpy 1T", "vs best memcpy", "encode / patch vs one-thread memcpy",
+                   "extraction's floor", f"{paths[0]} path", "state root vs blake3",
                    "signed target root: True", "revert restored the base root: True"):
         assert needle in out
     for path in paths[1:]:  # every slower path this CPU runs, side by side

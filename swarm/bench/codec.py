@@ -301,9 +301,12 @@ def run(args: argparse.Namespace) -> int:
     def memcpy() -> None:
         list(pool.map(lambda dp: np.copyto(dp[0], dp[1]), parts))
 
-    # memcpy: the faster of one thread and all threads (numpy copies release the GIL)
-    t_memcpy = min(_best(args.repeat, lambda: np.copyto(copy_dst, contiguous)),
-                   _best(args.repeat, memcpy))
+    # memcpy (glibc, into a pre-faulted buffer) on one thread: the and DESIGN's
+    # reference ("memcpy 10 / 9 GB/s"); and split over every thread, the stricter bar
+    # (numpy copies release the GIL)
+    t_memcpy1 = _best(args.repeat, lambda: np.copyto(copy_dst, contiguous))
+    t_memcpy_n = _best(args.repeat, memcpy)
+    t_memcpy = min(t_memcpy1, t_memcpy_n)
     # the floor of extraction: read old and new once (no compute), on every thread
     words = model_bytes // 8 // threads * 8
     pairs = [(contiguous[i * words:(i + 1) * words].view(np.uint64),
@@ -373,7 +376,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"CPU throughput, GB/s of model scanned ({model_bytes / 1e6:.0f} MB, {threads} threads,"
           f" best of {args.repeat})")
     stages = [
-        ("memcpy (same bytes, best of 1 and all threads)", t_memcpy),
+        ("memcpy, one thread (same bytes)", t_memcpy1),
+        (f"memcpy, split over {threads} threads", t_memcpy_n),
         ("read old + new once (extraction's floor)", t_read * model_bytes / (words * threads)),
         ("blake3, one contiguous buffer, all cores", t_blake),
         ("state root (pieces on all cores)", t_root),
@@ -385,11 +389,14 @@ def run(args: argparse.Namespace) -> int:
     ]
     print(f"kernels: C extension, {paths[0]} path for 2-byte elements "
           f"(this CPU runs: {', '.join(paths)})")
-    print(f"{'stage':<44} {'GB/s':>7} {'vs memcpy':>10}")
+    print(f"{'stage':<44} {'GB/s':>7} {'vs memcpy 1T':>13} {'vs best memcpy':>15}")
     for name, t in stages:
-        print(f"{name:<44} {gbs / t:>7.2f} {t_memcpy / t:>9.2f}x")
+        print(f"{name:<44} {gbs / t:>7.2f} {t_memcpy1 / t:>12.2f}x {t_memcpy / t:>14.2f}x")
     print(f"state root vs blake3 contiguous: {t_blake / t_root:.2f}x   "
           f"(goals: encode and patch >= 0.5x memcpy, root >= 0.8x blake3)")
+    print(f"encode / patch vs one-thread memcpy: {t_memcpy1 / t_enc:.2f}x / "
+          f"{t_memcpy1 / t_patch:.2f}x; vs the best memcpy: {t_memcpy / t_enc:.2f}x / "
+          f"{t_memcpy / t_patch:.2f}x")
     print(f"patched state verified against the signed target root: {exact}; "
           f"revert restored the base root: {reverted}")
     if args.torch_device:
