@@ -176,6 +176,35 @@ def test_scan_and_locate_match_reference_on_every_path(fmt: BitFormat, n: int,
     np.testing.assert_array_equal(pos, np.flatnonzero(old != new)[order])
 
 
+@pytest.mark.parametrize("n", [5, 40, 300, 5000])
+@pytest.mark.parametrize("off", range(33))
+def test_every_start_within_a_cache_line_matches_reference(n: int, off: int) -> None:
+    """Tensors start anywhere: the SIMD kernels count up to the first 64-byte boundary one
+    by one, then go on aligned."""
+    big_old = _weights(BF16, n + 64, seed=n)
+    old, new = big_old[off:off + n], _changed(big_old, 0.05, seed=n + 7)[off:off + n]
+    ref_cls, ref_rank, _ = _reference_scan(old, new, BF16)
+    every = _every_path(lambda: _scan(old, new, BF16))
+    _assert_same(every)
+    k, cls, rank, d = every[0]
+    np.testing.assert_array_equal(cls, ref_cls)
+    np.testing.assert_array_equal(rank, ref_rank)
+    if k == 0:
+        return
+    located = _every_path(lambda: _locate(old, BF16, cls, rank))
+    _assert_same(located)
+    np.testing.assert_array_equal(np.sort(located[0][1]), np.flatnonzero(old != new))
+    slots = _slots(BF16, cls, rank, d)
+
+    def apply() -> np.ndarray:
+        arr = big_old.copy()[off:off + n]
+        assert _locate_apply(arr, BF16, slots)[0] == 0
+        return arr
+
+    for arr in _every_path(apply):
+        np.testing.assert_array_equal(arr, new)
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), fp16=st.booleans(), n=st.integers(1, 3000))
 def test_random_bits_agree_on_every_path(data: st.DataObject, fp16: bool, n: int) -> None:

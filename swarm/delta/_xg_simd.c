@@ -70,6 +70,14 @@ static unsigned choose_base(const uint16_t *old, int64_t n, unsigned shift, unsi
     return base;
 }
 
+/* Elements before the first 64-byte boundary of ``p`` (at most ``n``): the kernels count
+ * them one by one so that their vector loads never straddle two cache lines (tensors of a
+ * safetensors file start anywhere; a split load costs about 5% of a scan). */
+static inline int64_t head_of(const uint16_t *p, int64_t n) {
+    const int64_t h = (int64_t)((64 - (uintptr_t)p % 64) % 64 / 2);
+    return h < n ? h : n;
+}
+
 /* Where a scan writes its changes: class, rank and key difference, at most ``cap``. */
 typedef struct {
     uint16_t *cls;
@@ -180,12 +188,14 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
                                 const scan_out_t *out) {
     const unsigned base = choose_base(old, n, shift, emask);
     const consts_t k = make_consts(shift, emask, base);
-    __m512i run = _mm512_setzero_si512();
     uint32_t counts[MAX_CLASSES] = {0}, runs[WIN];
+    const int64_t h = head_of(old, n);
+    int64_t nch = scan_tail(old, nw, 0, h, shift, emask, signbit, full, counts, out, 0);
+    if (nch < 0) return nch;
+    __m512i run = _mm512_loadu_si512(counts + base); /* the head's window-class counts */
     uint8_t cls[64];
-    int64_t nch = 0;
-    const int64_t nv = n - n % 64;
-    for (int64_t s = 0; s < nv; s += 64) {
+    const int64_t nv = h + (n - h) / 64 * 64;
+    for (int64_t s = h; s < nv; s += 64) {
         _mm_prefetch((const char *)(old + s + AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(old + s + 32 + AHEAD), _MM_HINT_T0);
         _mm_prefetch((const char *)(nw + s + AHEAD), _MM_HINT_T0);
@@ -315,6 +325,20 @@ static inline void loc_count(loc_t *L, unsigned c, int64_t e) {
     if (L->counts[c]++ == L->tgt[c]) loc_place(L, c, e);
 }
 
+/* Counts the head (head_of) one by one; ``tgt`` and ``run`` get each window class's next
+ * target rank and count after it. Returns the head's length. */
+static int64_t loc_head(loc_t *L, const uint16_t *old, int64_t n, unsigned shift, unsigned base,
+                        int32_t *tgt, int32_t *run) {
+    const int64_t h = head_of(old, n);
+    for (int64_t i = 0; i < h; i++) loc_count(L, (old[i] >> shift) & L->emask, i);
+    for (unsigned w = 0; w < WIN; w++) {
+        const int in = base + w < L->nclass;
+        tgt[w] = in ? clamp_rank(L->tgt[base + w]) : NEVER;
+        run[w] = in ? (int32_t)L->counts[base + w] : 0;
+    }
+    return h;
+}
+
 /* Counts elements from..n-1 one by one after the window classes' running counts
  * ``runs``; 0 when every change was placed, else 1 with every write undone. */
 static int loc_finish(loc_t *L, const uint16_t *old, int64_t from, int64_t n, unsigned shift,
@@ -346,20 +370,19 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
                               loc_t *L) {
     if (loc_init(L, n, emask)) return 1;
     const unsigned base = choose_base(old, n, shift, emask);
-    int32_t init[WIN];
-    for (unsigned w = 0; w < WIN; w++)
-        init[w] = base + w < L->nclass ? clamp_rank(L->tgt[base + w]) : NEVER;
+    int32_t init[WIN], runs[WIN];
+    const int64_t h = loc_head(L, old, n, shift, base, init, runs);
     __m512i tgtv = _mm512_loadu_si512(init);
-    __m512i run = _mm512_setzero_si512();
+    __m512i run = _mm512_loadu_si512(runs);
     const consts_t k = make_consts(shift, emask, base);
     superblock_t buf[2];
     uint8_t cls[64];
-    const int64_t nb = n / SB_ELEMS;
-    if (nb > 0) count_superblock(old, &k, &buf[0]);
+    const int64_t nb = (n - h) / SB_ELEMS;
+    if (nb > 0) count_superblock(old + h, &k, &buf[0]);
     for (int64_t i = 0; i < nb; i++) {
-        if (i + 1 < nb) count_superblock(old + (i + 1) * SB_ELEMS, &k, &buf[(i + 1) & 1]);
+        const int64_t s = h + i * SB_ELEMS;
+        if (i + 1 < nb) count_superblock(old + s + SB_ELEMS, &k, &buf[(i + 1) & 1]);
         const superblock_t *sb = &buf[i & 1];
-        const int64_t s = i * SB_ELEMS;
         const __m512i after = _mm512_add_epi32(run, sb->cnt);
         for (uint32_t hit = _mm512_cmplt_epi32_mask(tgtv, after); hit; hit &= hit - 1) {
             const int w = __builtin_ctz(hit);
@@ -394,9 +417,8 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
             }
         }
     }
-    int32_t runs[WIN];
     _mm512_storeu_si512(runs, run);
-    return loc_finish(L, old, nb * SB_ELEMS, n, shift, base, runs);
+    return loc_finish(L, old, h + nb * SB_ELEMS, n, shift, base, runs);
 }
 
 /* ---- AVX2 path --------------------------------------------------------------------------
@@ -517,13 +539,16 @@ XG_TARGET2 static int64_t scan16_avx2(const uint16_t *old, const uint16_t *nw, i
                                       uint16_t full, const scan_out_t *out) {
     const unsigned base = choose_base(old, n, shift, emask);
     const consts2_t k = make_consts2(shift, emask, base);
-    __m256i run_lo = _mm256_setzero_si256(), run_hi = _mm256_setzero_si256();
     uint32_t counts[MAX_CLASSES] = {0}, runs[WIN];
+    const int64_t h = head_of(old, n);
+    int64_t nch = scan_tail(old, nw, 0, h, shift, emask, signbit, full, counts, out, 0);
+    if (nch < 0) return nch;
+    __m256i run_lo = _mm256_loadu_si256((const __m256i *)(counts + base));
+    __m256i run_hi = _mm256_loadu_si256((const __m256i *)(counts + base + 8));
     sb2_t sb;
-    int64_t nch = 0;
-    const int64_t nb = n / SB2_ELEMS;
+    const int64_t nb = (n - h) / SB2_ELEMS;
     for (int64_t i = 0; i < nb; i++) {
-        const int64_t s = i * SB2_ELEMS;
+        const int64_t s = h + i * SB2_ELEMS;
         count_superblock2(old + s, &k, &sb);
         uint32_t todo_v[SB2_VECS], chg[SB2_VECS], any = 0;
         for (int v = 0; v < SB2_VECS; v++) {
@@ -564,7 +589,8 @@ XG_TARGET2 static int64_t scan16_avx2(const uint16_t *old, const uint16_t *nw, i
     _mm256_storeu_si256((__m256i *)runs, run_lo);
     _mm256_storeu_si256((__m256i *)(runs + 8), run_hi);
     for (int w = 0; w < WIN && base + w <= emask; w++) counts[base + w] = runs[w];
-    return scan_tail(old, nw, nb * SB2_ELEMS, n, shift, emask, signbit, full, counts, out, nch);
+    return scan_tail(old, nw, h + nb * SB2_ELEMS, n, shift, emask, signbit, full, counts, out,
+                     nch);
 }
 
 /* locate16 on AVX2: the window classes' next target ranks in two vectors next to the
@@ -574,20 +600,20 @@ XG_TARGET2 static int locate16_avx2(const uint16_t *old, int64_t n, unsigned shi
     if (loc_init(L, n, emask)) return 1;
     const unsigned base = choose_base(old, n, shift, emask);
     int32_t tg[WIN], rb[WIN], ra[WIN];
-    for (unsigned w = 0; w < WIN; w++)
-        tg[w] = base + w < L->nclass ? clamp_rank(L->tgt[base + w]) : NEVER;
+    const int64_t h = loc_head(L, old, n, shift, base, tg, rb);
     __m256i tgt_lo = _mm256_loadu_si256((const __m256i *)tg);
     __m256i tgt_hi = _mm256_loadu_si256((const __m256i *)(tg + 8));
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i run_lo = _mm256_setzero_si256(), run_hi = _mm256_setzero_si256();
+    __m256i run_lo = _mm256_loadu_si256((const __m256i *)rb);
+    __m256i run_hi = _mm256_loadu_si256((const __m256i *)(rb + 8));
     const consts2_t k = make_consts2(shift, emask, base);
     sb2_t buf[2];
-    const int64_t nb = n / SB2_ELEMS;
-    if (nb > 0) count_superblock2(old, &k, &buf[0]);
+    const int64_t nb = (n - h) / SB2_ELEMS;
+    if (nb > 0) count_superblock2(old + h, &k, &buf[0]);
     for (int64_t i = 0; i < nb; i++) {
-        if (i + 1 < nb) count_superblock2(old + (i + 1) * SB2_ELEMS, &k, &buf[(i + 1) & 1]);
+        const int64_t s = h + i * SB2_ELEMS;
+        if (i + 1 < nb) count_superblock2(old + s + SB2_ELEMS, &k, &buf[(i + 1) & 1]);
         const sb2_t *sb = &buf[i & 1];
-        const int64_t s = i * SB2_ELEMS;
         _mm256_storeu_si256((__m256i *)rb, run_lo);
         _mm256_storeu_si256((__m256i *)(rb + 8), run_hi);
         run_lo = _mm256_add_epi32(run_lo, sb->cnt_lo);
@@ -637,7 +663,7 @@ XG_TARGET2 static int locate16_avx2(const uint16_t *old, int64_t n, unsigned shi
     }
     _mm256_storeu_si256((__m256i *)rb, run_lo);
     _mm256_storeu_si256((__m256i *)(rb + 8), run_hi);
-    return loc_finish(L, old, nb * SB2_ELEMS, n, shift, base, rb);
+    return loc_finish(L, old, h + nb * SB2_ELEMS, n, shift, base, rb);
 }
 
 XG_TARGET static uint64_t read_pair512(const uint64_t *a, const uint64_t *b, int64_t nwords) {
