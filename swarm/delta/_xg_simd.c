@@ -1,4 +1,5 @@
-/* AVX-512 fast paths of the swarm-xg1 kernels for 2-byte elements (bf16, fp16).
+/* SIMD fast paths of the swarm-xg1 kernels for 2-byte elements (bf16, fp16): AVX-512,
+ * and AVX2 (further down) for CPUs without it.
  *
  * Both kernels need the rank of elements within their class (the exponent field of the
  * old value) in the segment, so every element's class is counted. Counting element by
@@ -14,8 +15,9 @@
  *
  * The window is a speed choice only: results are identical to the scalar kernels for
  * every input (tests compare them), and a segment whose classes spread wider just has
- * more outliers. Needs AVX-512 F/BW/VBMI/BITALG, GFNI and BMI1/2 (Ice Lake, Zen 4 and
- * later); elsewhere the scalar kernels run.
+ * more outliers. The AVX-512 path needs F/BW/VBMI/BITALG, GFNI and BMI1/2 (Ice Lake,
+ * Zen 4 and later); xg_simd_path picks the fastest path the CPU runs, and the scalar
+ * kernels of _xg_module.c run where none does.
  */
 #include <stdint.h>
 #include <string.h>
