@@ -540,7 +540,8 @@ def test_class_table_refuses_wrong_buffers() -> None:
         _xg.class_table(table, 1, one, one.copy(), _readonly(cs), ce)
 
 
-@pytest.mark.parametrize(("shift", "emask"), [(12, 0xFF), (15, 0x7FF), (0, 0x7FF), (9, 0x3F)])
+@pytest.mark.parametrize(("shift", "emask"), [(12, 0xFF), (15, 0x7FF), (0, 0x7FF), (9, 0x3F),
+                                            (13, 0x7), (4, 0xF)])
 def test_any_class_field_of_2_byte_elements_matches_reference(shift: int, emask: int) -> None:
     """Fields that do not fit the element (shift + mask width > 16 bits) only see its bits."""
     fmt = BitFormat(16, shift, emask, True)
