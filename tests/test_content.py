@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 
 import msgpack
 import pytest
@@ -63,6 +64,19 @@ def test_layout_digest_depends_on_everything() -> None:
 def test_layout_decode_rejects(data: bytes) -> None:
     with pytest.raises(DecodeError):
         StateLayout.decode(data)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_piece_ids_on_threads_are_the_pieces_in_order(threads: int) -> None:
+    """Many small tensors next to large ones: pieces are hashed in runs of about equal
+    bytes, one task a run, and come back in state order."""
+    rng = random.Random(threads)
+    sizes = [rng.choice([1, 100, 5000, 40000]) for _ in range(60)]
+    layout = StateLayout.of([(f"t{i}", "uint8", [n]) for i, n in enumerate(sizes)])
+    bufs = [rng.randbytes(n) for n in sizes]
+    ids = piece_ids_of(bufs, layout, 4096, threads=threads)
+    assert ids == [chunk_id(bufs[i][off:off + n])
+                   for i, off, n in piece_slices(layout, 4096)]
 
 
 def test_pieces_and_root() -> None:

@@ -69,13 +69,29 @@ def piece_ids_of(
     if workers <= 1 or len(jobs) <= 1:
         return [chunk_id(j) for j in jobs]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_hash_piece, jobs))
+        runs = pool.map(_hash_pieces, _runs(jobs, 2 * workers))
+        return [cid for run in runs for cid in run]
 
 
-def _hash_piece(view: memoryview) -> bytes:
+def _runs(jobs: list[memoryview], parts: int) -> list[list[memoryview]]:
+    """``jobs`` cut into at most ``parts`` consecutive runs of about equal bytes: a task
+    per run, not per piece (a state has many small tensors, and the dispatch of a task
+    cost as much as hashing a small piece)."""
+    total = sum(j.nbytes for j in jobs)
+    out: list[list[memoryview]] = [[]]
+    done = 0
+    for j in jobs:
+        if out[-1] and done >= total * len(out) / parts:
+            out.append([])
+        out[-1].append(j)
+        done += j.nbytes
+    return out
+
+
+def _hash_pieces(views: list[memoryview]) -> list[bytes]:
     import blake3
 
-    return bytes(blake3.blake3(view).digest())
+    return [bytes(blake3.blake3(v).digest()) for v in views]
 
 
 def state_root(layout: StateLayout, piece_ids: Iterable[bytes],

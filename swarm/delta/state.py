@@ -46,7 +46,11 @@ def piece_ids_of_state(state: Mapping[str, torch.Tensor],
 
     Tensors on another device (a GPU) are copied to the host one at a time to be hashed.
     """
-    layout = layout_of(state)
+    return _piece_ids(state, layout_of(state), piece_size, threads)
+
+
+def _piece_ids(state: Mapping[str, torch.Tensor], layout: StateLayout, piece_size: int,
+               threads: int | None) -> list[bytes]:
     if all(t.device.type == "cpu" for t in state.values()):
         views = [v.data for v in byte_views(state)]
         return piece_ids_of(views, layout, piece_size, threads=threads)
@@ -62,7 +66,7 @@ def state_root_of(state: Mapping[str, torch.Tensor], piece_size: int = DEFAULT_P
                   threads: int | None = None) -> bytes:
     """The state root (equal to ``state_root`` over the raw bytes), hashed on every core."""
     layout = layout_of(state)
-    return state_root(layout, piece_ids_of_state(state, piece_size, threads), piece_size)
+    return state_root(layout, _piece_ids(state, layout, piece_size, threads), piece_size)
 
 
 def piece_bytes(state: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], tensor: int,
