@@ -94,17 +94,12 @@ class _Segment:
 
 
 class _Plan:
-    """Segments grouped into buckets, and the views they read.
-
-    Everything is checked here, before any segment is encoded; the views themselves are
-    made by the workers on first use (a few torch calls a tensor: made up front, they
-    took about 10 ms a version of 168 tensors, on one thread, before any scan began)."""
+    """Segments grouped into buckets, and the views they read."""
 
     def __init__(self, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
                  config: EncoderConfig) -> None:
         self.layout = layout_of(new)
-        if [(n, t.dtype, t.shape) for n, t in old.items()] != [
-                (n, t.dtype, t.shape) for n, t in new.items()]:
+        if layout_of(old) != self.layout:
             raise LocalProtocolError("old and new states have different layouts")
         devices = {t.device for t in (*old.values(), *new.values())}
         if len(devices) > 1:
@@ -113,14 +108,10 @@ class _Plan:
         if config.engine == "c" and not on_cpu:
             raise LocalProtocolError("the C engine reads CPU tensors; use engine 'auto' or "
                                      "'torch' for states on a device")
-        for name, t in (*old.items(), *new.items()):
-            if not t.is_contiguous():
-                raise LocalProtocolError(f"{name}: tensor is not contiguous")
         self.on_device = config.engine == "torch" or not on_cpu
-        self._view = device_bits if self.on_device else bits_view
-        self._old = list(old.items())
-        self._new = list(new.values())
-        self._views: dict[int, tuple[Any, Any]] = {}
+        view = device_bits if self.on_device else bits_view
+        self.old: list[Any] = [view(t, n) for n, t in old.items()]
+        self.new: list[Any] = [view(t, n) for n, t in new.items()]
         self.buckets: list[list[_Segment]] = []
         bucket: list[_Segment] = []
         size = 0
@@ -135,20 +126,11 @@ class _Plan:
         if bucket:
             self.buckets.append(bucket)
 
-    def views(self, i: int) -> tuple[Any, Any]:
-        """Bit views of tensor ``i`` of old and new (made once; a race makes two alike)."""
-        v = self._views.get(i)
-        if v is None:
-            name, t = self._old[i]
-            v = self._views[i] = (self._view(t, name), self._view(self._new[i], name))
-        return v
-
     def encode(self, seg: _Segment) -> EncodedSegment | None:
         fmt = BIT_FORMATS[self.layout.tensors[seg.tensor].dtype]
         end = seg.start + seg.count
-        old_bits, new_bits = self.views(seg.tensor)
-        old = old_bits[seg.start:end]
-        new = new_bits[seg.start:end]
+        old = self.old[seg.tensor][seg.start:end]
+        new = self.new[seg.tensor][seg.start:end]
         if self.on_device:
             return encode_device_segment(old, new, fmt, seg.tensor, seg.start)
         return encode_segment(old, new, fmt, seg.tensor, seg.start)
