@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from swarm.content.ids import DIGEST_LEN, chunk_id, domain_hash
 from swarm.content.layout import StateLayout, TensorSpec
@@ -20,6 +21,7 @@ MIN_PIECE_SIZE = 1 << 12
 MAX_PIECE_SIZE = 64 << 20
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 def check_piece_size(piece_size: int) -> None:
@@ -69,22 +71,23 @@ def piece_ids_of(
     if workers <= 1 or len(jobs) <= 1:
         return [chunk_id(j) for j in jobs]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        runs = pool.map(_hash_pieces, _runs(jobs, 2 * workers))
+        runs = pool.map(_hash_pieces,
+                        balanced_runs(jobs, [j.nbytes for j in jobs], 2 * workers))
         return [cid for run in runs for cid in run]
 
 
-def _runs(jobs: list[memoryview], parts: int) -> list[list[memoryview]]:
-    """``jobs`` cut into at most ``parts`` consecutive runs of about equal bytes: a task
-    per run, not per piece (a state has many small tensors, and the dispatch of a task
-    cost as much as hashing a small piece)."""
-    total = sum(j.nbytes for j in jobs)
-    out: list[list[memoryview]] = [[]]
+def balanced_runs(items: Sequence[T], weights: Sequence[int], parts: int) -> list[list[T]]:
+    """``items`` cut into at most ``parts`` consecutive runs of about equal weight: a
+    task per run, not per item, where dispatching a task costs as much as a small item
+    (pieces of small tensors, segments of a delta)."""
+    total = sum(weights)
+    out: list[list[T]] = [[]]
     done = 0
-    for j in jobs:
+    for item, w in zip(items, weights, strict=True):
         if out[-1] and done >= total * len(out) / parts:
             out.append([])
-        out[-1].append(j)
-        done += j.nbytes
+        out[-1].append(item)
+        done += w
     return out
 
 

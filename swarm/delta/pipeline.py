@@ -24,7 +24,7 @@ import torch
 from swarm.content.ids import chunk_id
 from swarm.content.layout import StateLayout
 from swarm.content.manifest import Manifest, SignedManifest
-from swarm.content.pieces import DEFAULT_PIECE_SIZE
+from swarm.content.pieces import DEFAULT_PIECE_SIZE, balanced_runs
 from swarm.delta.codec import (
     CHUNK_TARGET,
     CODEC_NAME,
@@ -135,8 +135,15 @@ class _Plan:
             return encode_device_segment(old, new, fmt, seg.tensor, seg.start)
         return encode_segment(old, new, fmt, seg.tensor, seg.start)
 
-    def submit(self, pool: ThreadPoolExecutor, index: int) -> list[Future[EncodedSegment | None]]:
-        return [pool.submit(self.encode, s) for s in self.buckets[index]]
+    def encode_run(self, segs: list[_Segment]) -> list[EncodedSegment | None]:
+        return [self.encode(s) for s in segs]
+
+    def submit(self, pool: ThreadPoolExecutor, index: int, workers: int
+               ) -> list[Future[list[EncodedSegment | None]]]:
+        """Bucket ``index`` as a few runs of consecutive segments (a task per run)."""
+        segs = self.buckets[index]
+        runs = balanced_runs(segs, [s.count for s in segs], 2 * workers)
+        return [pool.submit(self.encode_run, run) for run in runs]
 
 
 class _Assembler:
@@ -179,9 +186,12 @@ class _Assembler:
         return chunk
 
 
+def _workers(config: EncoderConfig) -> int:
+    return config.threads or os.cpu_count() or 1
+
+
 def _pool(config: EncoderConfig) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=config.threads or os.cpu_count() or 1,
-                              thread_name_prefix="swarm-delta")
+    return ThreadPoolExecutor(max_workers=_workers(config), thread_name_prefix="swarm-delta")
 
 
 async def iter_delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
@@ -196,15 +206,16 @@ async def iter_delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, t
     asm = _Assembler(plan.layout, cfg.chunk_target)
     pool = _pool(cfg)
     try:
-        inflight: deque[list[Future[EncodedSegment | None]]] = deque()
+        inflight: deque[list[Future[list[EncodedSegment | None]]]] = deque()
         nxt = 0
         while nxt < len(plan.buckets) or inflight:
             while nxt < len(plan.buckets) and len(inflight) < MAX_IN_FLIGHT_BUCKETS:
-                inflight.append(plan.submit(pool, nxt))
+                inflight.append(plan.submit(pool, nxt, _workers(cfg)))
                 nxt += 1
             for fut in inflight.popleft():
-                for chunk in asm.add(await asyncio.wrap_future(fut)):
-                    yield chunk
+                for seg in await asyncio.wrap_future(fut):
+                    for chunk in asm.add(seg):
+                        yield chunk
         last = asm.flush()
         if last is not None:
             yield last
@@ -219,15 +230,16 @@ def delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     plan = _Plan(old, new, cfg)
     asm = _Assembler(plan.layout, cfg.chunk_target)
     with _pool(cfg) as pool:
-        inflight: deque[list[Future[EncodedSegment | None]]] = deque()
+        inflight: deque[list[Future[list[EncodedSegment | None]]]] = deque()
         nxt = 0
         try:
             while nxt < len(plan.buckets) or inflight:
                 while nxt < len(plan.buckets) and len(inflight) < MAX_IN_FLIGHT_BUCKETS:
-                    inflight.append(plan.submit(pool, nxt))
+                    inflight.append(plan.submit(pool, nxt, _workers(cfg)))
                     nxt += 1
                 for fut in inflight.popleft():
-                    yield from asm.add(fut.result())
+                    for seg in fut.result():
+                        yield from asm.add(seg)
             last = asm.flush()
             if last is not None:
                 yield last
