@@ -216,6 +216,28 @@ class _Bounds:
         ]
 
 
+def _interleaved(repeat: int, stages: list[tuple[str, Callable[[], Any],
+                                                Callable[[], Any] | None, str]]
+                 ) -> dict[str, float]:
+    """The best time of each stage (key, run, setup before each run, kernel path) over
+    ``repeat`` rounds of every stage in turn."""
+    from swarm.delta import _xg
+
+    best = {key: float("inf") for key, *_ in stages}
+    try:
+        for _ in range(max(1, repeat)):
+            for key, fn, setup, path in stages:
+                _xg.set_simd(path)
+                if setup is not None:
+                    setup()
+                t0 = time.perf_counter()
+                fn()
+                best[key] = min(best[key], time.perf_counter() - t0)
+    finally:
+        _xg.set_simd(_xg.simd_paths()[0])
+    return best
+
+
 def _best(repeat: int, fn: Callable[[], Any], setup: Callable[[], Any] | None = None
           ) -> float:
     best = float("inf")
@@ -301,26 +323,10 @@ def run(args: argparse.Namespace) -> int:
     def memcpy() -> None:
         list(pool.map(lambda dp: np.copyto(dp[0], dp[1]), parts))
 
-    # memcpy (glibc, into a pre-faulted buffer) on one thread: the issue's and DESIGN's
-    # reference ("memcpy 10 / 9 GB/s"); and split over every thread, the stricter bar
-    # (numpy copies release the GIL)
-    t_memcpy1 = _best(args.repeat, lambda: np.copyto(copy_dst, contiguous))
-    t_memcpy_n = _best(args.repeat, memcpy)
-    t_memcpy = min(t_memcpy1, t_memcpy_n)
     # the floor of extraction: read old and new once (no compute), on every thread
     words = model_bytes // 8 // threads * 8
     pairs = [(contiguous[i * words:(i + 1) * words].view(np.uint64),
               copy_dst[i * words:(i + 1) * words].view(np.uint64)) for i in range(threads)]
-    t_read = _best(args.repeat, lambda: list(pool.map(lambda ab: _xg.read_pair(*ab), pairs)))
-    t_blake = _best(args.repeat, lambda: blake3.blake3(contiguous.data,
-                                                       max_threads=blake3.blake3.AUTO).digest())
-    t_root = _best(args.repeat, lambda: state_root_of(new, threads=threads))
-    t_enc = _best(args.repeat, lambda: list(delta_chunks(old, new, cfg)))
-    dev_rows: list[tuple[str, float]] = []
-    dev_same = True
-    if args.torch_device:
-        dev_same, t_dev = _device_extraction(args, old, new, chunks, threads)
-        dev_rows.append((f"extract + encode (torch ops on {args.torch_device})", t_dev))
     state = {k: v.clone() for k, v in old.items()}
     holder: list[Patcher] = []
 
@@ -334,24 +340,49 @@ def run(args: argparse.Namespace) -> int:
         for c in chunks:
             p.apply(c.cid, c.data)
 
-    def patched_exactly() -> bool:
-        return holder[0].finish() is not None and all(
-            torch.equal(state[k].reshape(-1).view(torch.uint8),
-                        new[k].reshape(-1).view(torch.uint8)) for k in new)
+    def encode() -> None:
+        list(delta_chunks(old, new, cfg))
 
-    t_patch = _best(args.repeat, patch, reset)
-    exact = patched_exactly()
-    # the slower kernel paths this CPU also runs, side by side: each must encode the same
-    # bytes and patch exactly
-    path_rows: list[tuple[str, float]] = []
+    # Every stage once per round, round after round, so that each stage's best comes from
+    # the same stretch of time as memcpy's (this VM's speed drifts over seconds). memcpy
+    # (glibc, into a pre-faulted buffer) on one thread is the issue's and DESIGN's
+    # reference ("memcpy 10 / 9 GB/s"); split over every thread, the stricter bar.
     paths = _xg.simd_paths()
+    timed: list[tuple[str, Callable[[], Any], Callable[[], Any] | None, str]] = [
+        ("memcpy1", lambda: np.copyto(copy_dst, contiguous), None, paths[0]),
+        ("memcpyN", memcpy, None, paths[0]),
+        ("read", lambda: list(pool.map(lambda ab: _xg.read_pair(*ab), pairs)), None, paths[0]),
+        ("blake3", lambda: blake3.blake3(contiguous.data,
+                                         max_threads=blake3.blake3.AUTO).digest(), None,
+         paths[0]),
+        ("root", lambda: state_root_of(new, threads=threads), None, paths[0]),
+        *[(f"encode {path}", encode, None, path) for path in paths],
+        *[(f"patch {path}", patch, reset, path) for path in paths],
+    ]
+    best = _interleaved(args.repeat, timed)
+    t_memcpy1, t_memcpy_n = best["memcpy1"], best["memcpyN"]
+    t_memcpy = min(t_memcpy1, t_memcpy_n)
+    t_read, t_blake, t_root = best["read"], best["blake3"], best["root"]
+    t_enc, t_patch = best[f"encode {paths[0]}"], best[f"patch {paths[0]}"]
+    path_rows = [row for path in paths[1:] for row in (
+        (f"extract + encode ({path} kernels)", best[f"encode {path}"]),
+        (f"decode + patch ({path} kernels)", best[f"patch {path}"]))]
+    dev_rows: list[tuple[str, float]] = []
+    dev_same = True
+    if args.torch_device:
+        dev_same, t_dev = _device_extraction(args, old, new, chunks, threads)
+        dev_rows.append((f"extract + encode (torch ops on {args.torch_device})", t_dev))
+
+    # every path must encode the same bytes and patch to the signed target root exactly
+    exact = True
     try:
-        for path in paths[1:]:
+        for path in paths:
             _xg.set_simd(path)
-            path_rows.append((f"extract + encode ({path} kernels)",
-                              _best(args.repeat, lambda: list(delta_chunks(old, new, cfg)))))
-            path_rows.append((f"decode + patch ({path} kernels)", _best(args.repeat, patch, reset)))
-            exact = (exact and patched_exactly()
+            reset()
+            patch()
+            exact = (exact and holder[0].finish() is not None
+                     and all(torch.equal(state[k].reshape(-1).view(torch.uint8),
+                                         new[k].reshape(-1).view(torch.uint8)) for k in new)
                      and [c.data for c in delta_chunks(old, new, cfg)] == [c.data for c in chunks])
     finally:
         _xg.set_simd(paths[0])
