@@ -426,10 +426,10 @@ XG_TARGET static int locate16(const uint16_t *old, int64_t n, unsigned shift, un
 /* ---- AVX2 path --------------------------------------------------------------------------
  * The same algorithm on CPUs without AVX-512 (Haswell to Raptor Lake, Zen 1-3): superblocks
  * of SB2_ELEMS elements, 32 class bytes a vector. Without gf2p8affine the window classes
- * are counted by comparing every class byte with each of the 16 window ids (a byte
- * counter per lane, at most SB2_VECS), and one maddubs + hadd tree per superblock sums the
- * lanes. Needs AVX2, POPCNT and BMI1/2 (every AVX2 CPU has them); on Zen 1/2, whose pdep
- * is microcode, a target is picked out of its class's mask by clearing lower bits.
+ * are counted with vpshufb lookups into byte counters per lane that two classes share (a
+ * nibble each), and one maddubs + hadd tree per superblock sums the lanes. Needs AVX2,
+ * POPCNT and BMI1/2 (every AVX2 CPU has them); on Zen 1/2, whose pdep is microcode, a
+ * target is picked out of its class's mask by clearing lower bits.
  */
 #define XG_TARGET2 __attribute__((target("avx2,popcnt,bmi,bmi2")))
 #define SB2_VECS 8
