@@ -68,13 +68,16 @@ def _compressor() -> zstandard.ZstdCompressor:
 
 def _scratch(name: str, size: int, dtype: np.dtype[Any] | type) -> np.ndarray:
     """A per-thread temporary of ``size`` elements, reused from call to call: fresh
-    allocations of these sizes are page-faulted and zeroed by the kernel every time."""
-    want = np.dtype(dtype)
-    buf: np.ndarray | None = getattr(_local, name, None)
-    if buf is None or buf.nbytes < size * want.itemsize:
-        buf = np.empty(max(size * want.itemsize, 1 << 16), np.uint8)
-        setattr(_local, name, buf)
-    return buf[:size * want.itemsize].view(want)
+    allocations of these sizes are page-faulted and zeroed by the kernel every time. (A
+    dict lookup and a slice: a segment takes six, and building dtypes and views each time
+    cost 3 us apiece.)"""
+    bufs: dict[tuple[str, Any], np.ndarray] | None = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get((name, dtype))
+    if buf is None or buf.shape[0] < size:
+        buf = bufs[name, dtype] = np.empty(max(size, 1 << 12), dtype)
+    return buf[:size]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -143,8 +146,8 @@ def encode_changes(cls: np.ndarray, rank: np.ndarray, d: np.ndarray, k: int, fmt
     """Code the first ``k`` changes of a ``count``-element segment, in element order: their
     classes (uint16), ranks within their class in the segment (uint32) and key differences
     (``fmt.uint``), as the scan finds them."""
-    ccount = np.zeros(fmt.nclass, np.int64)
-    kparam = np.zeros(fmt.nclass, np.int64)
+    ccount = _scratch("ccount", fmt.nclass, np.int64)  # group_encode writes every entry
+    kparam = _scratch("kparam", fmt.nclass, np.int64)
     gaps = _scratch("gaps", _gap_bound(k), np.uint8)
     signs = _scratch("signs", (k + 7) // 8, np.uint8)
     mags = _scratch("mags", k * (1 + fmt.nbytes), np.uint8)
