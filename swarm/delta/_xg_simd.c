@@ -190,7 +190,7 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
                                 const scan_out_t *out) {
     const unsigned base = choose_base(old, n, shift, emask);
     const consts_t k = make_consts(shift, emask, base);
-    uint32_t counts[MAX_CLASSES] = {0}, runs[WIN];
+    uint32_t counts[MAX_CLASSES] = {0};
     const int64_t h = head_of(old, n);
     int64_t nch = scan_tail(old, nw, 0, h, shift, emask, signbit, full, counts, out, 0);
     if (nch < 0) return nch;
@@ -227,8 +227,7 @@ XG_TARGET static int64_t scan16(const uint16_t *old, const uint16_t *nw, int64_t
         }
         run = _mm512_add_epi32(run, x.cnt);
     }
-    _mm512_storeu_si512(runs, run);
-    for (int w = 0; w < WIN && base + w <= emask; w++) counts[base + w] = runs[w];
+    _mm512_storeu_si512(counts + base, run); /* back where the head's counts came from */
     return scan_tail(old, nw, nv, n, shift, emask, signbit, full, counts, out, nch);
 }
 
@@ -588,9 +587,8 @@ XG_TARGET2 static int64_t scan16_avx2(const uint16_t *old, const uint16_t *nw, i
         run_lo = _mm256_add_epi32(run_lo, sb.cnt_lo);
         run_hi = _mm256_add_epi32(run_hi, sb.cnt_hi);
     }
-    _mm256_storeu_si256((__m256i *)runs, run_lo);
-    _mm256_storeu_si256((__m256i *)(runs + 8), run_hi);
-    for (int w = 0; w < WIN && base + w <= emask; w++) counts[base + w] = runs[w];
+    _mm256_storeu_si256((__m256i *)(counts + base), run_lo);
+    _mm256_storeu_si256((__m256i *)(counts + base + 8), run_hi);
     return scan_tail(old, nw, h + nb * SB2_ELEMS, n, shift, emask, signbit, full, counts, out,
                      nch);
 }
