@@ -5,17 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from swarm.content.manifest import Manifest, SignedManifest
 from swarm.delta.state import state_root_of
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.torch_engine import TorchEngine
 from swarm.identity import Identity
 from swarm.net.memory import LinkProfile, MemoryNetwork
 from swarm.protocol.leases import SamplingParams
-from swarm.roles.peer import PeerConfig, RolloutPeer
+from swarm.roles.peer import PeerConfig, RolloutPeer, next_manifest
 from swarm.roles.trainer import TrainerConfig, TrainerNode
 
 CFG = TinyModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2,
@@ -108,6 +111,86 @@ async def test_late_joiner_with_other_weights_catches_up_by_keyframe(tmp_path: P
         want = state_root_of(inference_state(master), PIECE)
         assert late.root == want and state_root_of(late.state, PIECE) == want
         assert late.verified == 1  # one keyframe of version 3, no replay of old deltas
+
+
+def _manifest(step: int, kind: str, size: int) -> SignedManifest:
+    base = None if kind == "keyframe" else bytes([step - 1]) * 32
+    return Manifest("t", step, kind, base, bytes([step]) * 32, b"l" * 32, "c", PIECE,
+                    ((bytes([step, len(kind)]) * 16, size),)).sign(Identity.from_seed(b"M" * 32))
+
+
+def test_next_version_prefers_held_deltas_over_a_dearer_keyframe() -> None:
+    deltas = {s: _manifest(s, "delta", 100) for s in (2, 3, 4)}
+    key4 = _manifest(4, "keyframe", 1000)
+    assert next_manifest(1, deltas, key4) is deltas[2]   # 300 bytes of deltas < 1000
+    assert next_manifest(3, deltas, key4) is deltas[4]
+    assert next_manifest(1, deltas, _manifest(4, "keyframe", 250)) is not deltas[2]
+    assert next_manifest(0, deltas, key4) is key4        # delta 1 unknown: jump
+    assert next_manifest(1, {2: deltas[2], 4: deltas[4]}, key4) is key4
+    assert next_manifest(-1, deltas, key4) is key4       # a newcomer starts from a keyframe
+    assert next_manifest(-1, deltas, None) is None
+    assert next_manifest(4, deltas, key4) is None        # nothing ahead
+    assert next_manifest(1, deltas, None) is deltas[2]
+
+
+class _GatedEngine(TorchEngine):
+    """A real engine whose weight updates wait for a gate: a peer busy elsewhere."""
+
+    def __init__(self, model: torch.nn.Module, gate: threading.Event) -> None:
+        super().__init__(model)
+        self.gate = gate
+
+    def apply(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        if not self.gate.wait(timeout=60):
+            raise TimeoutError("the test never opened the gate")
+        super().apply(tensors)
+
+
+async def test_lagging_peer_follows_its_deltas_when_a_newcomer_asks_for_a_keyframe(
+        tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=4)
+    trainer_id = Identity.from_seed(b"G" * 32)
+    master = build_model(CFG)
+
+    async def join(seed: bytes, cfg: TinyModelConfig, gate: threading.Event) -> RolloutPeer:
+        ident = Identity.from_seed(seed * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        await pnet.connect(tnet.listen_addresses[0])
+        return await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
+            inference_state(build_model(cfg)),
+            _GatedEngine(build_model(cfg, dtype=torch.bfloat16), gate)))
+
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+        await trainer.publish(inference_state(master))
+        busy = threading.Event()
+        busy.set()
+        lagging = await join(b"a", CFG, busy)
+        async with asyncio.timeout(30):
+            await lagging.wait_version(0)
+        busy.clear()  # the peer now lags: it cannot install versions 1-3
+        deltas = dense = 0
+        for step in (1, 2, 3):
+            _nudge(master, step)
+            pub = await trainer.publish(inference_state(master))
+            deltas, dense = deltas + pub.payload_bytes, pub.dense_bytes
+        # A newcomer with other weights asks for, and gets, a keyframe of version 3; the
+        # trainer announces it to every peer.
+        open_gate = threading.Event()
+        open_gate.set()
+        newcomer = await join(b"b", dataclasses.replace(CFG, seed=99), open_gate)
+        async with asyncio.timeout(30):
+            await newcomer.wait_version(3)
+            busy.set()
+            await lagging.wait_version(3)
+        want = state_root_of(inference_state(master), PIECE)
+        assert lagging.root == want == newcomer.root
+        assert newcomer.verified == 1
+        assert lagging.verified == 4  # version 0, then every delta: no keyframe fetched
+        assert lagging.driver.exchange.bytes_down < deltas + 4096 < dense
 
 
 async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> None:

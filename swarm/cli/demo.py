@@ -145,7 +145,8 @@ async def _main(args: argparse.Namespace) -> int:
     trainer = await start(_cmd(
         "trainer", "--data-dir", str(base / "trainer"), "--status-json",
         "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-        "--lr", str(args.lr), "--min-peers", str(args.peers), "--linger", "600",
+        "--lr", str(args.lr), "--min-peers", str(args.peers + args.corrupt_peer),
+        "--linger", "600",
         "--region", "r0", "--uplink-mbps", str(args.trainer_uplink_mbps),
         "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo", *join), "trainer")
     n_peers = 0

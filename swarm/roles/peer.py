@@ -93,6 +93,25 @@ class PeerConfig:
     """Bytes of received chunks kept on disk (the two newest versions always stay)."""
 
 
+def next_manifest(version: int, deltas: Mapping[int, SignedManifest],
+                  keyframe: SignedManifest | None) -> SignedManifest | None:
+    """The version to install next, from ``version``: the delta after it, or a keyframe
+    ahead of it when that costs fewer bytes than the deltas up to the keyframe's step, or
+    when some of those deltas are unknown.
+
+    A keyframe of the newest version is published whenever a newcomer asks for one; a
+    peer a few deltas behind keeps following its deltas rather than fetch the dense state.
+    """
+    if keyframe is not None and keyframe.manifest.step > version:
+        if version < 0:
+            return keyframe
+        chain = [deltas.get(s) for s in range(version + 1, keyframe.manifest.step + 1)]
+        if any(m is None for m in chain) or \
+                sum(m.manifest.total_bytes for m in chain if m) >= keyframe.manifest.total_bytes:
+            return keyframe
+    return None if version < 0 else deltas.get(version + 1)
+
+
 class RolloutPeer(NodeBase):
     """A volunteer node. An async context manager owning its tasks."""
 
@@ -109,9 +128,11 @@ class RolloutPeer(NodeBase):
         self.root: bytes | None = None
         self.leases = PeerLeases(identity, self.trainer_key, config.run)
         self._status = status or (lambda event, fields: None)
-        self._manifests: dict[int, SignedManifest] = {}
+        self._deltas: dict[int, SignedManifest] = {}
+        """Delta manifests ahead of ``version``, by step."""
+        self._keyframe: SignedManifest | None = None
+        """The newest keyframe ahead of ``version``."""
         self._installed: deque[SignedManifest] = deque(maxlen=config.keep_versions)
-        self._jump: SignedManifest | None = None
         self._new_manifest = asyncio.Event()
         self._engine_lock = asyncio.Lock()
         self._version_changed = asyncio.Condition()
@@ -286,11 +307,11 @@ class RolloutPeer(NodeBase):
             return
         if m.step <= self.version:
             return
-        if m.kind == "keyframe" and m.step > self.version + 1:
-            # Too far behind for the deltas we hold: jump by the keyframe's pieces.
-            self._manifests = {s: x for s, x in self._manifests.items() if s > m.step}
-            self._jump = sm
-        self._manifests.setdefault(m.step, sm)
+        if m.kind == "keyframe":
+            if self._keyframe is None or m.step > self._keyframe.manifest.step:
+                self._keyframe = sm
+        else:
+            self._deltas.setdefault(m.step, sm)
         self._new_manifest.set()
 
     async def _manifest_feed(self, sub: Subscription) -> None:
@@ -315,14 +336,14 @@ class RolloutPeer(NodeBase):
                     self._offer(data)
 
     def _next_manifest(self) -> SignedManifest | None:
-        if self._jump is not None:
-            jump, self._jump = self._jump, None
-            if jump.manifest.step > self.version:
-                return jump
-        if self.version < 0:
-            frames = [m for m in self._manifests.values() if m.manifest.kind == "keyframe"]
-            return max(frames, key=lambda m: m.manifest.step) if frames else None
-        return self._manifests.get(self.version + 1)
+        return next_manifest(self.version, self._deltas, self._keyframe)
+
+    def _forget_through(self, step: int) -> None:
+        """Drop the manifests of versions up to ``step``."""
+        for s in [s for s in self._deltas if s <= step]:
+            del self._deltas[s]
+        if self._keyframe is not None and self._keyframe.manifest.step <= step:
+            self._keyframe = None
 
     async def _follow(self) -> None:
         while True:
@@ -350,16 +371,18 @@ class RolloutPeer(NodeBase):
                 self.verify_failures += 1
                 log.error("step %d failed verification: %s", sm.manifest.step, exc)
                 self._status("verify_failed", {"version": sm.manifest.step, "error": str(exc)})
-                del self._manifests[sm.manifest.step]
+                if sm is self._keyframe:
+                    self._keyframe = None
+                else:
+                    self._deltas.pop(sm.manifest.step, None)
                 await self._ask_sync()
                 continue
             self.verified += 1
-            for step in [s for s in self._manifests if s <= self.version]:
-                del self._manifests[step]
+            self._forget_through(self.version)
             self._installed.append(sm)
             # Keep serving the last few versions to laggards; free older chunks.
-            self.driver.retain({m.id for m in self._installed}
-                               | {m.id for m in self._manifests.values()})
+            ahead = [*self._deltas.values(), *([self._keyframe] if self._keyframe else [])]
+            self.driver.retain({m.id for m in self._installed} | {m.id for m in ahead})
             self._status("verified", {
                 "version": self.version, "kind": sm.manifest.kind,
                 "bytes": sm.manifest.total_bytes, "fetch_s": round(fetched, 3),
