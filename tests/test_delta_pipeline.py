@@ -96,3 +96,12 @@ def test_mismatched_states_are_refused() -> None:
         list(delta_chunks(old, new, CFG))
     with pytest.raises(ValueError):
         EncoderConfig(segment_elems=0)
+
+
+def test_a_non_contiguous_last_tensor_is_refused_before_the_first_chunk() -> None:
+    old, new = _many_tensors()
+    new["layer7"] = new["layer7"].t().contiguous().t()  # same shape and values
+    assert not new["layer7"].is_contiguous()
+    chunks = delta_chunks(old, new, CFG)
+    with pytest.raises(LocalProtocolError, match="layer7: tensor is not contiguous"):
+        next(chunks)

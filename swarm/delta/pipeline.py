@@ -110,9 +110,14 @@ class _Plan:
                                      "'torch' for states on a device")
         self.on_device = config.engine == "torch" or not on_cpu
         self.workers = _workers(config)
-        view = device_bits if self.on_device else bits_view
-        self.old: list[Any] = [view(t, n) for n, t in old.items()]
-        self.new: list[Any] = [view(t, n) for n, t in new.items()]
+        for name, t in (*old.items(), *new.items()):
+            if not t.is_contiguous():
+                raise LocalProtocolError(f"{name}: tensor is not contiguous")
+        # Views are made per bucket as it is submitted, so the workers start on the first
+        # bucket while the rest are still being set up (2 x 91 views take about 1.3 ms).
+        self._tensors = list(zip(old.items(), new.values(), strict=True))
+        self.old: list[Any] = [None] * len(self._tensors)
+        self.new: list[Any] = [None] * len(self._tensors)
         self.buckets: list[list[_Segment]] = []
         bucket: list[_Segment] = []
         size = 0
@@ -144,6 +149,11 @@ class _Plan:
         """Bucket ``index`` as two runs of consecutive segments a worker (a task per run:
         a task per segment cost about 10% of the encode in dispatch)."""
         segs = self.buckets[index]
+        view = device_bits if self.on_device else bits_view
+        for i in range(segs[0].tensor, segs[-1].tensor + 1):
+            if self.old[i] is None:
+                (name, a), b = self._tensors[i]
+                self.old[i], self.new[i] = view(a, name), view(b, name)
         runs = balanced_runs(segs, [s.count for s in segs], 2 * self.workers)
         return [pool.submit(self.encode_run, run) for run in runs]
 
