@@ -352,8 +352,7 @@ def run(args: argparse.Namespace) -> int:
         ("memcpy1", lambda: np.copyto(copy_dst, contiguous), None, paths[0]),
         ("memcpyN", memcpy, None, paths[0]),
         ("read", lambda: list(pool.map(lambda ab: _xg.read_pair(*ab), pairs)), None, paths[0]),
-        ("blake3", lambda: blake3.blake3(contiguous.data,
-                                         max_threads=blake3.blake3.AUTO).digest(), None,
+        ("blake3", lambda: blake3.blake3(contiguous.data, max_threads=threads).digest(), None,
          paths[0]),
         ("root", lambda: state_root_of(new, threads=threads), None, paths[0]),
         *[(f"encode {path}", encode, None, path) for path in paths],
@@ -404,14 +403,15 @@ def run(args: argparse.Namespace) -> int:
 
     print()
     gbs = model_bytes / 1e9
-    print(f"CPU throughput, GB/s of model scanned ({model_bytes / 1e6:.0f} MB, {threads} threads,"
+    on = f"{threads} thread{'s' if threads != 1 else ''}"
+    print(f"CPU throughput, GB/s of model scanned ({model_bytes / 1e6:.0f} MB, {on},"
           f" best of {args.repeat})")
     stages = [
         ("memcpy, one thread (same bytes)", t_memcpy1),
-        (f"memcpy, split over {threads} threads", t_memcpy_n),
+        (f"memcpy, split over {on}", t_memcpy_n),
         ("read old + new once (extraction's floor)", t_read * model_bytes / (words * threads)),
-        ("blake3, one contiguous buffer, all cores", t_blake),
-        ("state root (pieces on all cores)", t_root),
+        (f"blake3, one contiguous buffer, {on}", t_blake),
+        (f"state root (pieces on {on})", t_root),
         ("extract + encode (this codec)", t_enc),
         ("decode + patch (this codec)", t_patch),
         ("revert (applied chunks)", t_revert),
