@@ -12,7 +12,7 @@ from swarm.delta import (
     KeyframeFiller,
     keyframe_manifest,
     layout_of,
-    piece_bytes,
+    piece_views,
     state_root_of,
 )
 from swarm.errors import DecodeError, IntegrityError, LocalProtocolError
@@ -54,19 +54,17 @@ def test_root_sees_every_bit() -> None:
     assert state_root_of(renamed, PIECE) != root
 
 
-def test_piece_bytes_serve_every_piece() -> None:
+def test_piece_views_serve_every_piece_without_a_copy() -> None:
     state = _state(3)
-    layout = layout_of(state)
-    slices = piece_slices(layout, PIECE)
     signed = keyframe_manifest(state, IDENTITY, "run", 5, piece_size=PIECE)
-    assert len(signed.manifest.chunks) == len(slices)
-    for (tensor, off, n), (cid, size) in zip(slices, signed.manifest.chunks, strict=True):
-        data = piece_bytes(state, tensor, off, n)
-        assert len(data) == size and chunk_id(data) == cid
-    with pytest.raises(LocalProtocolError):
-        piece_bytes(state, 0, 0, 10**9)
-    with pytest.raises(LocalProtocolError):
-        piece_bytes(state, 99, 0, 1)
+    views = piece_views(state, PIECE)
+    assert sorted(views) == list(range(len(signed.manifest.chunks)))
+    for i, (cid, size) in enumerate(signed.manifest.chunks):
+        assert views[i].readonly and len(views[i]) == size and chunk_id(views[i]) == cid
+    # Views of the live state: a write shows through, which is why a peer withdraws them
+    # before it patches its state.
+    state["emb"].view(torch.uint8).reshape(-1)[0] ^= 0xFF
+    assert chunk_id(views[0]) != signed.manifest.chunks[0][0]
 
 
 def test_keyframe_fills_a_late_joiner_in_any_order() -> None:
@@ -77,13 +75,14 @@ def test_keyframe_fills_a_late_joiner_in_any_order() -> None:
     slices = piece_slices(layout, PIECE)
     joiner = {k: torch.zeros_like(v) for k, v in state.items()}
     filler = KeyframeFiller(joiner, signed)
+    pieces = piece_views(state, PIECE)
     order = list(range(len(slices)))[::-1]
     for i in order[:-1]:
-        filler.put_piece(i, piece_bytes(state, *slices[i]))
+        filler.put_piece(i, pieces[i])
     with pytest.raises(LocalProtocolError):
         filler.finish()
     assert filler.missing == {order[-1]}
-    filler.put_piece(order[-1], piece_bytes(state, *slices[order[-1]]))
+    filler.put_piece(order[-1], bytes(pieces[order[-1]]))
     assert filler.finish() == signed.manifest.target_root
     assert same_bits(joiner, state)
 
@@ -91,17 +90,16 @@ def test_keyframe_fills_a_late_joiner_in_any_order() -> None:
 def test_keyframe_rejects_bad_pieces_and_layouts() -> None:
     state = _state(5)
     signed = keyframe_manifest(state, IDENTITY, "run", 9, piece_size=PIECE)
-    slices = piece_slices(layout_of(state), PIECE)
     joiner = {k: torch.zeros_like(v) for k, v in state.items()}
     filler = KeyframeFiller(joiner, signed)
-    good = piece_bytes(state, *slices[0])
+    good = bytes(piece_views(state, PIECE)[0])
     bad = bytes([good[0] ^ 1]) + good[1:]
     with pytest.raises(IntegrityError):
         filler.put_piece(0, bad)
     with pytest.raises(DecodeError):
         filler.put_piece(0, good[:-1])
     with pytest.raises(DecodeError):
-        filler.put_piece(len(slices), good)
+        filler.put_piece(len(signed.manifest.chunks), good)
     assert all(not t.any() for t in joiner.values() if t.numel())
     wrong = dict(joiner)
     wrong["norm"] = torch.zeros(41)

@@ -11,12 +11,16 @@ from pathlib import Path
 
 import torch
 
+from swarm.content.ids import chunk_id
 from swarm.content.manifest import Manifest, SignedManifest
+from swarm.delta import EncoderConfig, encode_delta_sync
 from swarm.delta.state import state_root_of
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.torch_engine import TorchEngine
 from swarm.identity import Identity
+from swarm.net import topics
 from swarm.net.memory import LinkProfile, MemoryNetwork
+from swarm.protocol.exchange import ObjectSpec
 from swarm.protocol.leases import SamplingParams
 from swarm.roles.peer import PeerConfig, RolloutPeer, next_manifest
 from swarm.roles.trainer import TrainerConfig, TrainerNode
@@ -191,6 +195,107 @@ async def test_lagging_peer_follows_its_deltas_when_a_newcomer_asks_for_a_keyfra
         assert newcomer.verified == 1
         assert lagging.verified == 4  # version 0, then every delta: no keyframe fetched
         assert lagging.driver.exchange.bytes_down < deltas + 4096 < dense
+
+
+async def test_keyframes_are_served_from_the_state_itself_and_withdrawn_before_a_patch(
+        tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=5)
+    trainer_id = Identity.from_seed(b"V" * 32)
+    master = build_model(CFG)
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+        key0 = (await trainer.publish(inference_state(master))).manifest
+        # The trainer seeds its keyframe from its snapshot of the state: no second copy.
+        assert isinstance(trainer.driver.exchange.chunk(key0.id, 0), memoryview)
+        peers = []
+        for seed, cfg in ((b"a", CFG), (b"b", dataclasses.replace(CFG, seed=99))):
+            ident = Identity.from_seed(seed * 32)
+            pnet = await stack.enter_async_context(net.transport(ident))
+            await pnet.connect(tnet.listen_addresses[0])
+            for other in peers:
+                await pnet.connect(other.net.listen_addresses[0])
+            peers.append(await stack.enter_async_context(RolloutPeer(
+                ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
+                inference_state(build_model(cfg)),
+                TorchEngine(build_model(cfg, dtype=torch.bfloat16)))))
+            if seed == b"a":
+                async with asyncio.timeout(30):
+                    await peers[0].wait_version(0)
+                # Its local weights are version 0: it serves them as they lie in memory.
+                assert isinstance(peers[0].driver.exchange.chunk(key0.id, 0), memoryview)
+                _nudge(master, 1)
+                await trainer.publish(inference_state(master))
+                async with asyncio.timeout(30):
+                    await peers[0].wait_version(1)
+                assert key0.id not in peers[0].driver.objects  # withdrawn before patching
+        old_peer, newcomer = peers
+        async with asyncio.timeout(30):
+            await newcomer.wait_version(1)  # by a keyframe of version 1, announced to all
+        deltas = {m.id for m in trainer.manifests}
+        seeded = old_peer.driver.objects - deltas
+        assert len(seeded) == 1  # that keyframe, served from the old peer's state
+        key1 = next(iter(seeded))
+        assert isinstance(old_peer.driver.exchange.chunk(key1, 0), memoryview)
+        # The newcomer, once filled, serves it from its state too; the received copy is gone.
+        assert isinstance(newcomer.driver.exchange.chunk(key1, 0), memoryview)
+        _nudge(master, 2)
+        await trainer.publish(inference_state(master))
+        async with asyncio.timeout(30):
+            for p in peers:
+                await p.wait_version(2)
+        want = state_root_of(inference_state(master), PIECE)
+        for p in peers:
+            assert p.root == want == state_root_of(p.state, PIECE)
+            assert p.bans == [] and p.verify_failures == 0
+        assert not seeded & old_peer.driver.objects  # patched: the views are withdrawn
+        assert trainer.driver.exchange.banned == frozenset()
+
+
+async def test_a_signed_delta_that_does_not_decode_is_reverted_and_the_peer_goes_on(
+        tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=6)
+    trainer_id = Identity.from_seed(b"D" * 32)
+    master = build_model(CFG)
+    failed = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+        base = inference_state(master)
+        await trainer.publish(base)
+        ident = Identity.from_seed(b"d" * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        await pnet.connect(tnet.listen_addresses[0])
+        peer = await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
+            inference_state(build_model(CFG)), TorchEngine(build_model(CFG, dtype=torch.bfloat16)),
+            status=lambda ev, f: failed.set() if ev == "verify_failed" else None))
+        async with asyncio.timeout(30):
+            await peer.wait_version(0)
+        # A delta signed by the trainer whose second chunk hashes right but is garbage
+        # (a trainer bug): the first chunk is applied before the second fails to decode.
+        _nudge(master, 1)
+        good, chunks = encode_delta_sync(
+            base, inference_state(master), trainer_id, "t", 1,
+            config=EncoderConfig(piece_size=PIECE, segment_elems=256, chunk_target=64))
+        assert len(chunks) >= 2
+        garbage = b"\x93" * 40
+        data = [c.data for c in chunks[:-1]] + [garbage]
+        bad = dataclasses.replace(good.manifest, chunks=tuple(
+            (chunk_id(d), len(d)) for d in data)).sign(trainer_id)
+        trainer.driver.add_object(ObjectSpec.from_manifest(bad), dict(enumerate(data)))
+        await tnet.publish(topics.manifests("t"), bad.encode())
+        async with asyncio.timeout(30):
+            await failed.wait()
+        assert peer.version == 0 and peer.verify_failures == 1
+        assert state_root_of(peer.state, PIECE) == state_root_of(base, PIECE)  # reverted
+        await trainer.publish(inference_state(master))  # the real version 1
+        async with asyncio.timeout(30):
+            await peer.wait_version(1)
+        assert peer.root == state_root_of(peer.state, PIECE) == \
+            state_root_of(inference_state(master), PIECE)
 
 
 async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from swarm.delta.state import (
     KeyframeFiller,
     keyframe_manifest,
     layout_of,
-    piece_bytes,
     piece_ids_of_state,
+    piece_views,
     state_root_of,
 )
 
@@ -44,8 +44,8 @@ __all__ = [
     "iter_delta_chunks",
     "keyframe_manifest",
     "layout_of",
-    "piece_bytes",
     "piece_ids_of_state",
+    "piece_views",
     "revert_chunk",
     "state_root_of",
 ]

@@ -8,7 +8,7 @@ peer holding the state can compute every piece id and serve any piece.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -69,19 +69,14 @@ def state_root_of(state: Mapping[str, torch.Tensor], piece_size: int = DEFAULT_P
     return state_root(layout, _piece_ids(state, layout, piece_size, threads), piece_size)
 
 
-def piece_bytes(state: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], tensor: int,
-                offset: int, length: int) -> bytes:
-    """Raw bytes ``[offset, offset + length)`` of the ``tensor``-th tensor (a piece to serve).
-
-    :raises LocalProtocolError: the range is outside the tensor.
-    """
-    tensors = list(state.values()) if isinstance(state, Mapping) else list(state)
-    if not 0 <= tensor < len(tensors):
-        raise LocalProtocolError(f"tensor index {tensor} outside the state")
-    view = byte_view(tensors[tensor])
-    if not (offset >= 0 and length > 0 and offset + length <= view.shape[0]):
-        raise LocalProtocolError(f"byte range [{offset}, +{length}) outside tensor {tensor}")
-    return view[offset:offset + length].tobytes()
+def piece_views(state: Mapping[str, torch.Tensor], piece_size: int = DEFAULT_PIECE_SIZE
+                ) -> dict[int, memoryview]:
+    """Every piece of a CPU state as a read-only view of its bytes, by index: no copy, so
+    a node serves a state it holds without a second copy of it. The views read the
+    tensors as they are when read: withdraw them before writing to the state."""
+    views = [v.data.toreadonly() for v in byte_views(state)]
+    return {i: views[t][off:off + n]
+            for i, (t, off, n) in enumerate(piece_slices(layout_of(state), piece_size))}
 
 
 def keyframe_manifest(state: Mapping[str, torch.Tensor], identity: Identity, run: str,
@@ -90,7 +85,7 @@ def keyframe_manifest(state: Mapping[str, torch.Tensor], identity: Identity, run
     """A signed ``kind="keyframe"`` manifest whose chunks are the state's pieces.
 
     Chunk ``i`` is piece ``i`` of :func:`swarm.content.pieces.piece_slices`; serve it with
-    :func:`piece_bytes`.
+    :func:`piece_views`.
     """
     layout = layout_of(state)
     ids = piece_ids_of_state(state, piece_size)

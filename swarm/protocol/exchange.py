@@ -53,13 +53,15 @@ from swarm.protocol.exchange_msgs import (
 
 log = logging.getLogger(__name__)
 
-Verifier = Callable[[bytes, bytes], bool]
+Chunk = bytes | memoryview
+"""A chunk held for serving: received bytes, or a read-only view of a state held here."""
+Verifier = Callable[[bytes, Chunk], bool]
 
 #: Objects not (yet) known here whose haves one neighbour may make us remember.
 MAX_UNKNOWN_OBJECTS = 8
 
 
-def blake3_verifier(cid: bytes, data: bytes) -> bool:
+def blake3_verifier(cid: bytes, data: Chunk) -> bool:
     """The default check: the BLAKE3 digest of ``data`` is ``cid``."""
     return chunk_id(data) == cid
 
@@ -191,7 +193,7 @@ class _Obj:
     spec: ObjectSpec
     added_at: float
     have: set[int]
-    data: dict[int, bytes]
+    data: dict[int, Chunk]
     availability: list[int]
     local: list[int]
     holders: list[set[str]]
@@ -288,7 +290,7 @@ class Exchange:
         o = self._objects.get(obj)
         return o is not None and index in o.have
 
-    def chunk(self, obj: bytes, index: int) -> bytes | None:
+    def chunk(self, obj: bytes, index: int) -> Chunk | None:
         o = self._objects.get(obj)
         return None if o is None else o.data.get(index)
 
@@ -302,7 +304,7 @@ class Exchange:
         return len(o.have), len(o.spec.sizes)
 
     def add_object(self, spec: ObjectSpec, now: float,
-                   data: Mapping[int, bytes] | None = None) -> None:
+                   data: Mapping[int, Chunk] | None = None) -> None:
         """Start exchanging ``spec``; ``data`` holds chunks already at hand (trusted)."""
         if spec.obj in self._objects:
             raise LocalProtocolError("object already added")
@@ -664,7 +666,7 @@ class Exchange:
             self._pick(now)
             return
         o.have.add(msg.index)
-        o.data[msg.index] = msg.data
+        data = o.data[msg.index] = bytes(msg.data)  # received: bytes already, not copied
         o.last_progress = now
         o.suggested.discard(msg.index)
         for other in o.inflight.pop(msg.index, {}):
@@ -674,7 +676,7 @@ class Exchange:
                     self._out.append((other, Cancel(msg.obj, msg.index)))
         have = Have(msg.obj, msg.index)
         self._out.extend((q, have) for q in self._peers)
-        self._events.append(ChunkStored(msg.obj, msg.index, msg.data, p.peer))
+        self._events.append(ChunkStored(msg.obj, msg.index, data, p.peer))
         if not o.missing:
             o.complete_at = now
             self._events.append(ObjectComplete(msg.obj, now))

@@ -70,11 +70,12 @@ class Suggest:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """The bytes of chunk ``index`` of ``obj``."""
+    """The bytes of chunk ``index`` of ``obj`` (as received: ``bytes``; as sent, also a
+    read-only view of a state the sender holds)."""
 
     obj: bytes
     index: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True, slots=True)

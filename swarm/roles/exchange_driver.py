@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 from swarm.net.transport import Message, PeerUnreachable, TransportClosed
 from swarm.protocol.exchange import (
+    Chunk,
     Event,
     Exchange,
     ObjectComplete,
@@ -85,7 +86,7 @@ class ExchangeDriver:
     def has_object(self, obj: bytes) -> bool:
         return obj in self._objects
 
-    def add_object(self, spec: ObjectSpec, data: Mapping[int, bytes] | None = None) -> None:
+    def add_object(self, spec: ObjectSpec, data: Mapping[int, Chunk] | None = None) -> None:
         self._objects.add(spec.obj)
         self._complete.setdefault(spec.obj, asyncio.Event())
         self.exchange.add_object(spec, self.now(), data)

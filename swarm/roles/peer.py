@@ -31,7 +31,7 @@ import torch
 from swarm.content.manifest import SignedManifest
 from swarm.content.store import DiskChunkStore
 from swarm.delta.patch import Patcher
-from swarm.delta.state import KeyframeFiller, layout_of, state_root_of
+from swarm.delta.state import KeyframeFiller, layout_of, piece_views, state_root_of
 from swarm.engines import RolloutEngine, Sampling
 from swarm.errors import DecodeError, IntegrityError, SwarmError
 from swarm.identity import Identity, public_key_from_peer_id
@@ -132,6 +132,10 @@ class RolloutPeer(NodeBase):
         """Delta manifests ahead of ``version``, by step."""
         self._keyframe: SignedManifest | None = None
         """The newest keyframe ahead of ``version``."""
+        self._views_served: set[bytes] = set()
+        """Objects whose chunks are views of ``state`` (keyframes of the version held)."""
+        self._writing = False
+        """``state`` is being written: it matches no version until the write ends."""
         self._installed: deque[SignedManifest] = deque(maxlen=config.keep_versions)
         self._new_manifest = asyncio.Event()
         self._engine_lock = asyncio.Lock()
@@ -300,10 +304,10 @@ class RolloutPeer(NodeBase):
         if m.run != self.config.run:
             return
         if m.kind == "keyframe" and m.step == self.version and m.target_root == self.root:
-            # A keyframe of the version we hold: seed its pieces for newcomers.
-            spec = ObjectSpec.from_manifest(sm)
-            if not self.driver.has_object(spec.obj):
-                self.driver.add_object(spec, self._pieces_of_local(sm))
+            # A keyframe of the version we hold: seed its pieces for newcomers (not while
+            # the state is being written: then it holds no version).
+            if not self._writing:
+                self._serve_state(sm)
             return
         if m.step <= self.version:
             return
@@ -357,7 +361,7 @@ class RolloutPeer(NodeBase):
             spec = ObjectSpec.from_manifest(sm)
             if spec.chunk_ids:
                 if sm.manifest.kind == "keyframe" and await self._local_matches(sm):
-                    self.driver.add_object(spec, self._pieces_of_local(sm))
+                    self._serve_state(sm)
                 elif not self.driver.has_object(spec.obj):
                     if self._store is not None:
                         self._fetching[spec.obj] = (sm.manifest.step, spec.chunk_ids)
@@ -367,7 +371,7 @@ class RolloutPeer(NodeBase):
             fetched = time.perf_counter() - t0
             try:
                 changed, verified_at = await self._install(sm, spec)
-            except IntegrityError as exc:
+            except SwarmError as exc:
                 self.verify_failures += 1
                 log.error("step %d failed verification: %s", sm.manifest.step, exc)
                 self._status("verify_failed", {"version": sm.manifest.step, "error": str(exc)})
@@ -396,12 +400,21 @@ class RolloutPeer(NodeBase):
         root = await asyncio.to_thread(state_root_of, self.state, sm.manifest.piece_size)
         return root == sm.manifest.target_root
 
-    def _pieces_of_local(self, sm: SignedManifest) -> dict[int, bytes]:
-        from swarm.content.pieces import piece_slices
-        from swarm.delta.state import layout_of, piece_bytes
+    def _serve_state(self, sm: SignedManifest) -> None:
+        """Seed keyframe ``sm``, which the canonical state matches, from views of the state
+        itself (no copy of it). :meth:`_install` withdraws them before writing."""
+        spec = ObjectSpec.from_manifest(sm)
+        if self.driver.has_object(spec.obj):
+            return
+        self.driver.add_object(spec, piece_views(self.state, sm.manifest.piece_size))
+        self._views_served.add(spec.obj)
 
-        slices = piece_slices(layout_of(self.state), sm.manifest.piece_size)
-        return {i: piece_bytes(self.state, t, off, n) for i, (t, off, n) in enumerate(slices)}
+    def _withdraw_views(self) -> None:
+        """Stop serving chunks that are views of the state: it is about to change."""
+        self._writing = True
+        if self._views_served:
+            self.driver.retain(set(self.driver.objects - self._views_served))
+            self._views_served.clear()
 
     async def _install(self, sm: SignedManifest, spec: ObjectSpec
                        ) -> tuple[frozenset[str], float]:
@@ -411,6 +424,8 @@ class RolloutPeer(NodeBase):
         Returns the changed tensor names and when verification finished
         (``time.perf_counter()``).
         """
+        if spec.obj in self._views_served:  # a keyframe of exactly the state held here
+            return await self._take_version(sm, sm.manifest.target_root, frozenset(self.state))
         ex = self.driver.exchange
         chunks = []
         for i in range(len(spec.chunk_ids)):
@@ -419,17 +434,42 @@ class RolloutPeer(NodeBase):
                 raise IntegrityError(f"chunk {i} vanished before install")
             chunks.append(data)
         if sm.manifest.kind == "keyframe":
-            filler = KeyframeFiller(self.state, sm)
-            for i, data in enumerate(chunks):
-                filler.put_piece(i, data)
-            root = await asyncio.to_thread(filler.finish)
-            changed = frozenset(self.state)
-        else:
-            patcher = Patcher(self.state, sm, current_root=self.root)
-            for cid, data in zip(spec.chunk_ids, chunks, strict=True):
-                patcher.apply(cid, data)
-            changed = await asyncio.to_thread(patcher.finish)
-            root = sm.manifest.target_root
+            filler = KeyframeFiller(self.state, sm)  # checks the layout before any write
+            self._withdraw_views()
+            try:
+                try:
+                    for i, data in enumerate(chunks):
+                        filler.put_piece(i, data)
+                    root = await asyncio.to_thread(filler.finish)
+                except SwarmError:
+                    # Partly overwritten: no version is held any more; sync from scratch.
+                    self.version, self.root = -1, None
+                    raise
+                # Serve the pieces from the state from now on; free the received copy.
+                del chunks
+                self.driver.retain(set(self.driver.objects - {spec.obj}))
+                self._serve_state(sm)
+                return await self._take_version(sm, root, frozenset(self.state))
+            finally:
+                self._writing = False
+        patcher = Patcher(self.state, sm, current_root=self.root)  # checks the base root
+        self._withdraw_views()
+        try:
+            try:
+                for cid, data in zip(spec.chunk_ids, chunks, strict=True):
+                    patcher.apply(cid, data)
+            except SwarmError:
+                patcher.revert()  # back to the base version, exactly
+                raise
+            changed = await asyncio.to_thread(patcher.finish)  # reverts on a mismatch
+            return await self._take_version(sm, sm.manifest.target_root, changed)
+        finally:
+            self._writing = False
+
+    async def _take_version(self, sm: SignedManifest, root: bytes, changed: frozenset[str]
+                            ) -> tuple[frozenset[str], float]:
+        """The canonical state now holds version ``sm``: update the engine at a rollout
+        boundary, then save."""
         verified_at = time.perf_counter()
         async with self._engine_lock:
             if changed:

@@ -31,14 +31,14 @@ from pathlib import Path
 import torch
 
 from swarm.content.manifest import SignedManifest
-from swarm.content.pieces import DEFAULT_PIECE_SIZE, piece_slices
+from swarm.content.pieces import DEFAULT_PIECE_SIZE
 from swarm.content.store import DiskChunkStore
 from swarm.delta.pipeline import EncoderConfig, encode_delta
-from swarm.delta.state import keyframe_manifest, layout_of, piece_bytes, state_root_of
+from swarm.delta.state import keyframe_manifest, layout_of, piece_views, state_root_of
 from swarm.errors import DecodeError, SwarmError
 from swarm.identity import Identity
 from swarm.net import topics
-from swarm.protocol.exchange import ExchangeConfig, ObjectSpec
+from swarm.protocol.exchange import Chunk, ExchangeConfig, ObjectSpec
 from swarm.protocol.leases import (
     Accepted,
     LeaseConfig,
@@ -159,12 +159,12 @@ class TrainerNode(NodeBase):
         if saved is None:
             return
         kept: list[SignedManifest] = []
-        objects: list[tuple[ObjectSpec, dict[int, bytes]]] = []
+        objects: list[tuple[ObjectSpec, Mapping[int, Chunk]]] = []
         for sm in reversed(saved.manifests):
             if sm.manifest.kind == "keyframe":
                 if sm is saved.manifest:
                     objects.append((ObjectSpec.from_manifest(sm),
-                                    _pieces(saved.state, sm.manifest.piece_size)))
+                                    piece_views(saved.state, sm.manifest.piece_size)))
                 kept.append(sm)
                 continue
             data = await asyncio.to_thread(self._stored_chunks, sm)
@@ -177,8 +177,8 @@ class TrainerNode(NodeBase):
         kept.reverse()
         self.manifests.extend(kept[-(self.config.keep_versions + 1):])
         self._state, self._root = saved.state, saved.root
-        for spec, data in objects:
-            self.driver.add_object(spec, data)
+        for spec, held in objects:
+            self.driver.add_object(spec, held)
         if self.leases.latest_version < saved.step:
             self.leases.publish_version(saved.step, time.time())
         self.restored_step = saved.step
@@ -194,13 +194,13 @@ class TrainerNode(NodeBase):
             data[i] = chunk
         return data
 
-    def _persist(self, sm: SignedManifest, data: Mapping[int, bytes],
+    def _persist(self, sm: SignedManifest, data: Mapping[int, Chunk],
                  snapshot: Mapping[str, torch.Tensor]) -> None:
         """Write a version before it is announced (runs in a worker thread)."""
         step = sm.manifest.step
         if sm.manifest.kind == "delta":
             for i, (cid, _) in enumerate(sm.manifest.chunks):
-                self._chunks.put(cid, data[i], step)
+                self._chunks.put(cid, bytes(data[i]), step)  # delta chunks: bytes, no copy
         kept = [*list(self.manifests)[-self.config.keep_versions:], sm]
         persist.save_state(self._state_path, snapshot, kept)
         first = kept[0].manifest.step
@@ -223,11 +223,12 @@ class TrainerNode(NodeBase):
             on_device = {k: v.detach().contiguous().clone() for k, v in state.items()}
         dense = layout_of(snapshot).nbytes
         now_ms = int(time.time() * 1000)
+        data: Mapping[int, Chunk]
         if self._state is None:
             sm = await asyncio.to_thread(keyframe_manifest, snapshot, self.identity,
                                          self.config.run, step,
                                          piece_size=self.config.piece_size, time_ms=now_ms)
-            data = _pieces(snapshot, self.config.piece_size)
+            data = piece_views(snapshot, self.config.piece_size)
             root = sm.manifest.target_root
         else:
             root = await asyncio.to_thread(state_root_of, snapshot, self.config.piece_size)
@@ -363,12 +364,8 @@ class TrainerNode(NodeBase):
                                      step, piece_size=self.config.piece_size,
                                      time_ms=int(time.time() * 1000))
         self.driver.add_object(ObjectSpec.from_manifest(sm),
-                               _pieces(state, self.config.piece_size))
+                               piece_views(state, self.config.piece_size))
         await self.net.publish(topics.manifests(self.config.run), sm.encode())
         self._keyframe = sm
         return sm
 
-
-def _pieces(state: Mapping[str, torch.Tensor], piece_size: int) -> dict[int, bytes]:
-    slices = piece_slices(layout_of(state), piece_size)
-    return {i: piece_bytes(state, t, off, n) for i, (t, off, n) in enumerate(slices)}

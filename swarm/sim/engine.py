@@ -22,6 +22,7 @@ import numpy as np
 
 from swarm.content.ids import chunk_id, domain_hash
 from swarm.protocol.exchange import (
+    Chunk,
     Event,
     Exchange,
     ExchangeConfig,
@@ -132,7 +133,7 @@ class SwarmSim:
 
     # ------------------------------------------------------------ plumbing
 
-    def _verify(self, cid: bytes, data: bytes) -> bool:
+    def _verify(self, cid: bytes, data: Chunk) -> bool:
         # The simulator knows the true bytes: the same object is trivially right; any
         # other bytes (a malicious copy) are hashed for real.
         truth = self._truth_by_id.get(cid)
