@@ -291,11 +291,15 @@ async def test_a_signed_delta_that_does_not_decode_is_reverted_and_the_peer_goes
             await failed.wait()
         assert peer.version == 0 and peer.verify_failures == 1
         assert state_root_of(peer.state, PIECE) == state_root_of(base, PIECE)  # reverted
+        assert ObjectSpec.from_manifest(bad).obj not in peer.driver.objects
+        # Offered again, the failed version is ignored: not fetched, not tried.
+        await tnet.publish(topics.manifests("t"), bad.encode())
         await trainer.publish(inference_state(master))  # the real version 1
         async with asyncio.timeout(30):
             await peer.wait_version(1)
         assert peer.root == state_root_of(peer.state, PIECE) == \
             state_root_of(inference_state(master), PIECE)
+        assert peer.verify_failures == 1 and peer.bans == []
 
 
 async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> None:

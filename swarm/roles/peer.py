@@ -33,7 +33,12 @@ from swarm.content.store import DiskChunkStore
 from swarm.delta.patch import Patcher
 from swarm.delta.state import KeyframeFiller, layout_of, piece_views, state_root_of
 from swarm.engines import RolloutEngine, Sampling
-from swarm.errors import DecodeError, IntegrityError, SwarmError
+from swarm.errors import (
+    DecodeError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    SwarmError,
+)
 from swarm.identity import Identity, public_key_from_peer_id
 from swarm.net import topics
 from swarm.net.transport import Subscription
@@ -54,6 +59,8 @@ from swarm.roles.mux import Channel
 log = logging.getLogger(__name__)
 
 STATE_FILE = "peer.state"
+#: Manifests remembered as failed (a failed one offered again is ignored).
+MAX_FAILED = 64
 #: Longest wait before dialing again a neighbour from the directory that did not answer.
 DISCOVER_RETRY_MAX = 60.0
 
@@ -136,6 +143,8 @@ class RolloutPeer(NodeBase):
         """Objects whose chunks are views of ``state`` (keyframes of the version held)."""
         self._writing = False
         """``state`` is being written: it matches no version until the write ends."""
+        self._failed: deque[bytes] = deque(maxlen=MAX_FAILED)
+        """Manifests whose content failed to install: offered again, they are ignored."""
         self._installed: deque[SignedManifest] = deque(maxlen=config.keep_versions)
         self._new_manifest = asyncio.Event()
         self._engine_lock = asyncio.Lock()
@@ -289,10 +298,12 @@ class RolloutPeer(NodeBase):
             delay = min(delay * 2, self.config.reconnect_max)
 
     # -- versions ----------------------------------------------------------------------
-    async def _ask_sync(self) -> None:
+    async def _ask_sync(self, after: int | None = None) -> None:
+        """Ask the trainer for what follows version ``after`` (default: the version held;
+        -1: a keyframe of its newest version)."""
         with contextlib.suppress(SwarmError):
-            await self.mux.send(Channel.SYNC, self.config.trainer,
-                                sync.encode(sync.SyncRequest(self.version)))
+            await self.mux.send(Channel.SYNC, self.config.trainer, sync.encode(
+                sync.SyncRequest(self.version if after is None else after)))
 
     def _offer(self, data: bytes) -> None:
         try:
@@ -301,7 +312,7 @@ class RolloutPeer(NodeBase):
             log.warning("dropped a manifest: %s", exc)
             return
         m = sm.manifest
-        if m.run != self.config.run:
+        if m.run != self.config.run or (self._failed and sm.id in self._failed):
             return
         if m.kind == "keyframe" and m.step == self.version and m.target_root == self.root:
             # A keyframe of the version we hold: seed its pieces for newcomers (not while
@@ -379,7 +390,11 @@ class RolloutPeer(NodeBase):
                     self._keyframe = None
                 else:
                     self._deltas.pop(sm.manifest.step, None)
-                await self._ask_sync()
+                bad = isinstance(exc, RemoteProtocolError)
+                if bad:  # its content is wrong however often it is fetched: never again
+                    self._failed.append(sm.id)
+                    self.driver.retain(set(self.driver.objects - {spec.obj}))
+                await self._ask_sync(-1 if bad else None)
                 continue
             self.verified += 1
             self._forget_through(self.version)
@@ -431,7 +446,7 @@ class RolloutPeer(NodeBase):
         for i in range(len(spec.chunk_ids)):
             data = ex.chunk(spec.obj, i)
             if data is None:
-                raise IntegrityError(f"chunk {i} vanished before install")
+                raise LocalProtocolError(f"chunk {i} vanished before install")
             chunks.append(data)
         if sm.manifest.kind == "keyframe":
             filler = KeyframeFiller(self.state, sm)  # checks the layout before any write
