@@ -14,7 +14,7 @@ import torch
 from swarm.content.ids import chunk_id
 from swarm.content.manifest import Manifest, SignedManifest
 from swarm.delta import EncoderConfig, encode_delta_sync
-from swarm.delta.state import state_root_of
+from swarm.delta.state import piece_views, state_root_of
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.torch_engine import TorchEngine
 from swarm.identity import Identity
@@ -300,6 +300,41 @@ async def test_a_signed_delta_that_does_not_decode_is_reverted_and_the_peer_goes
         assert peer.root == state_root_of(peer.state, PIECE) == \
             state_root_of(inference_state(master), PIECE)
         assert peer.verify_failures == 1 and peer.bans == []
+
+
+async def test_a_keyframe_that_fills_the_wrong_state_leaves_no_version_and_is_replaced(
+        tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=7)
+    trainer_id = Identity.from_seed(b"F" * 32)
+    master = build_model(CFG)
+    failed = asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+        good = (await trainer.publish(inference_state(master))).manifest
+        # Signed by the trainer, pieces that hash right, but they fill another state than
+        # its root (a trainer bug): announced before the peer can ask for anything.
+        other = inference_state(build_model(dataclasses.replace(CFG, seed=77)))
+        pieces = piece_views(other, PIECE)
+        bad = dataclasses.replace(good.manifest, chunks=tuple(
+            (chunk_id(v), len(v)) for v in pieces.values())).sign(trainer_id)
+        trainer.driver.add_object(ObjectSpec.from_manifest(bad), pieces)
+        ident = Identity.from_seed(b"f" * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        weights = dataclasses.replace(CFG, seed=55)
+        peer = await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
+            inference_state(build_model(weights)),
+            TorchEngine(build_model(weights, dtype=torch.bfloat16)),
+            status=lambda ev, f: failed.set() if ev == "verify_failed" else None))
+        await tnet.publish(topics.manifests("t"), bad.encode())
+        await pnet.connect(tnet.listen_addresses[0])
+        async with asyncio.timeout(30):
+            await failed.wait()
+            await peer.wait_version(0)  # by the trainer's own keyframe, asked for anew
+        assert peer.verify_failures == 1 and peer.bans == []
+        assert peer.root == good.manifest.target_root == state_root_of(peer.state, PIECE)
 
 
 async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> None:

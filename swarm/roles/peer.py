@@ -35,6 +35,7 @@ from swarm.delta.state import KeyframeFiller, layout_of, piece_views, state_root
 from swarm.engines import RolloutEngine, Sampling
 from swarm.errors import (
     DecodeError,
+    IntegrityError,
     LocalProtocolError,
     RemoteProtocolError,
     SwarmError,
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 STATE_FILE = "peer.state"
 #: Manifests remembered as failed (a failed one offered again is ignored).
 MAX_FAILED = 64
+#: Delta manifests kept ahead of the version held (past that, the trainer is asked).
+MAX_PENDING_DELTAS = 64
 #: Longest wait before dialing again a neighbour from the directory that did not answer.
 DISCOVER_RETRY_MAX = 60.0
 
@@ -143,6 +146,8 @@ class RolloutPeer(NodeBase):
         """Objects whose chunks are views of ``state`` (keyframes of the version held)."""
         self._writing = False
         """``state`` is being written: it matches no version until the write ends."""
+        self._asked_after = -1
+        """The newest version whose announcement made this peer ask for a sync."""
         self._failed: deque[bytes] = deque(maxlen=MAX_FAILED)
         """Manifests whose content failed to install: offered again, they are ignored."""
         self._installed: deque[SignedManifest] = deque(maxlen=config.keep_versions)
@@ -326,7 +331,13 @@ class RolloutPeer(NodeBase):
             if self._keyframe is None or m.step > self._keyframe.manifest.step:
                 self._keyframe = sm
         else:
-            self._deltas.setdefault(m.step, sm)
+            if len(self._deltas) < MAX_PENDING_DELTAS:
+                self._deltas.setdefault(m.step, sm)
+            if self._next_manifest() is None and m.step > self._asked_after:
+                # A newer version, and nothing held leads to it (a lost announcement, a
+                # version that failed): ask the trainer, once per version, what to take.
+                self._asked_after = m.step
+                self.spawn(self._ask_sync(), "sync request")
         self._new_manifest.set()
 
     async def _manifest_feed(self, sub: Subscription) -> None:
@@ -386,10 +397,11 @@ class RolloutPeer(NodeBase):
                 self.verify_failures += 1
                 log.error("step %d failed verification: %s", sm.manifest.step, exc)
                 self._status("verify_failed", {"version": sm.manifest.step, "error": str(exc)})
-                if sm is self._keyframe:
-                    self._keyframe = None
-                else:
-                    self._deltas.pop(sm.manifest.step, None)
+                if sm.manifest.kind == "keyframe":
+                    if self._keyframe is sm:
+                        self._keyframe = None
+                elif self._deltas.get(sm.manifest.step) is sm:
+                    del self._deltas[sm.manifest.step]
                 bad = isinstance(exc, RemoteProtocolError)
                 if bad:  # its content is wrong however often it is fetched: never again
                     self._failed.append(sm.id)
@@ -450,35 +462,42 @@ class RolloutPeer(NodeBase):
             chunks.append(data)
         if sm.manifest.kind == "keyframe":
             filler = KeyframeFiller(self.state, sm)  # checks the layout before any write
-            self._withdraw_views()
-            try:
-                try:
-                    for i, data in enumerate(chunks):
-                        filler.put_piece(i, data)
-                    root = await asyncio.to_thread(filler.finish)
-                except SwarmError:
-                    # Partly overwritten: no version is held any more; sync from scratch.
-                    self.version, self.root = -1, None
-                    raise
+        else:
+            patcher = Patcher(self.state, sm, current_root=self.root)  # and the base root
+        self._withdraw_views()
+        settled = False  # ``version`` and ``root`` describe the state again
+        try:
+            if sm.manifest.kind == "keyframe":
+                for i, data in enumerate(chunks):
+                    filler.put_piece(i, data)
+                root = await asyncio.to_thread(filler.finish)
+                changed = frozenset(self.state)
                 # Serve the pieces from the state from now on; free the received copy.
                 del chunks
                 self.driver.retain(set(self.driver.objects - {spec.obj}))
                 self._serve_state(sm)
-                return await self._take_version(sm, root, frozenset(self.state))
-            finally:
-                self._writing = False
-        patcher = Patcher(self.state, sm, current_root=self.root)  # checks the base root
-        self._withdraw_views()
-        try:
-            try:
-                for cid, data in zip(spec.chunk_ids, chunks, strict=True):
-                    patcher.apply(cid, data)
-            except SwarmError:
-                patcher.revert()  # back to the base version, exactly
-                raise
-            changed = await asyncio.to_thread(patcher.finish)  # reverts on a mismatch
-            return await self._take_version(sm, sm.manifest.target_root, changed)
+            else:
+                try:
+                    for cid, data in zip(spec.chunk_ids, chunks, strict=True):
+                        patcher.apply(cid, data)
+                except SwarmError:
+                    patcher.revert()  # back to the base version, exactly
+                    settled = True
+                    raise
+                try:
+                    changed = await asyncio.to_thread(patcher.finish)
+                except IntegrityError:
+                    settled = True  # finish reverted to the base version
+                    raise
+                root = sm.manifest.target_root
+            out = await self._take_version(sm, root, changed)
+            settled = True
+            return out
         finally:
+            if not settled:
+                # Partly written (or written, but the engine could not take it): the state
+                # matches no known version. Sync from scratch.
+                self.version, self.root = -1, None
             self._writing = False
 
     async def _take_version(self, sm: SignedManifest, root: bytes, changed: frozenset[str]
@@ -488,8 +507,12 @@ class RolloutPeer(NodeBase):
         verified_at = time.perf_counter()
         async with self._engine_lock:
             if changed:
-                await asyncio.to_thread(self.engine.apply,
-                                        {n: self.state[n] for n in changed})
+                try:
+                    await asyncio.to_thread(self.engine.apply,
+                                            {n: self.state[n] for n in changed})
+                except SwarmError as exc:  # the engine's fault, not the version's: fatal
+                    raise RuntimeError(f"the engine could not take step "
+                                       f"{sm.manifest.step}: {exc}") from exc
             self.version, self.root = sm.manifest.step, root
         await self._save(sm)
         async with self._version_changed:
