@@ -14,7 +14,7 @@ import torch
 from swarm.content.ids import chunk_id
 from swarm.content.manifest import Manifest, SignedManifest
 from swarm.delta import EncoderConfig, encode_delta_sync
-from swarm.delta.state import piece_views, state_root_of
+from swarm.delta.state import keyframe_manifest, piece_views, state_root_of
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.torch_engine import TorchEngine
 from swarm.identity import Identity
@@ -335,6 +335,36 @@ async def test_a_keyframe_that_fills_the_wrong_state_leaves_no_version_and_is_re
             await peer.wait_version(0)  # by the trainer's own keyframe, asked for anew
         assert peer.verify_failures == 1 and peer.bans == []
         assert peer.root == good.manifest.target_root == state_root_of(peer.state, PIECE)
+
+
+async def test_a_keyframe_nobody_serves_is_dropped_for_a_newer_one(tmp_path: Path) -> None:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=8)
+    trainer_id = Identity.from_seed(b"N" * 32)
+    master = build_model(CFG)
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+        await trainer.publish(inference_state(master))
+        _nudge(master, 1)
+        await trainer.publish(inference_state(master))
+        # An older keyframe whose seeders have all moved on: nobody serves its pieces.
+        gone = keyframe_manifest(inference_state(build_model(CFG)), trainer_id, "t", 0,
+                                 piece_size=PIECE)
+        ident = Identity.from_seed(b"n" * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        weights = dataclasses.replace(CFG, seed=44)
+        peer = await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
+            inference_state(build_model(weights)),
+            TorchEngine(build_model(weights, dtype=torch.bfloat16))))
+        await tnet.publish(topics.manifests("t"), gone.encode())
+        # Connected, it asks for and gets a keyframe of version 1 while still on that one.
+        await pnet.connect(tnet.listen_addresses[0])
+        async with asyncio.timeout(30):
+            await peer.wait_version(1)
+        assert peer.root == state_root_of(inference_state(master), PIECE)
+        assert ObjectSpec.from_manifest(gone).obj not in peer.driver.objects
 
 
 async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> None:

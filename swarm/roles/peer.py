@@ -364,6 +364,27 @@ class RolloutPeer(NodeBase):
     def _next_manifest(self) -> SignedManifest | None:
         return next_manifest(self.version, self._deltas, self._keyframe)
 
+    async def _fetched(self, sm: SignedManifest, spec: ObjectSpec) -> bool:
+        """Wait for every chunk of ``spec``. False, for a keyframe, once a newer one is
+        announced: its seeders move on (the trainer seeds only its newest keyframe, peers
+        only that of the version they hold), so it may never complete."""
+        done = asyncio.ensure_future(self.driver.wait_complete(spec.obj))
+        try:
+            while not done.done():
+                newer = self._keyframe
+                if (sm.manifest.kind == "keyframe" and newer is not None
+                        and newer.manifest.step > sm.manifest.step):
+                    return False
+                self._new_manifest.clear()
+                announced = asyncio.ensure_future(self._new_manifest.wait())
+                try:
+                    await asyncio.wait({done, announced}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    announced.cancel()
+            return True
+        finally:
+            done.cancel()
+
     def _forget_through(self, step: int) -> None:
         """Drop the manifests of versions up to ``step``."""
         for s in [s for s in self._deltas if s <= step]:
@@ -388,8 +409,11 @@ class RolloutPeer(NodeBase):
                     if self._store is not None:
                         self._fetching[spec.obj] = (sm.manifest.step, spec.chunk_ids)
                     self.driver.add_object(spec, await self._stored(spec))
-                await self.driver.wait_complete(spec.obj)
+                fetched_all = await self._fetched(sm, spec)
                 self._fetching.pop(spec.obj, None)
+                if not fetched_all:
+                    self.driver.retain(set(self.driver.objects - {spec.obj}))
+                    continue
             fetched = time.perf_counter() - t0
             try:
                 changed, verified_at = await self._install(sm, spec)
