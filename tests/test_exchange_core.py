@@ -416,6 +416,41 @@ def test_removed_object_frees_its_chunks_and_stops_uploads() -> None:
     assert [leech.chunk(spec.obj, i) for i in range(len(chunks))] == chunks
 
 
+def test_replaced_chunks_serve_queued_uploads_and_must_fit() -> None:
+    spec, chunks = make_object()
+    net = Net()
+    seed = net.add(Exchange("seed", region="r", seed=1))
+    leech = net.add(Exchange("leech", region="r", seed=2))
+    partial = net.add(Exchange("partial", region="r", seed=3))
+    seed.add_object(spec, 0.0, dict(enumerate(chunks)))
+    partial.add_object(spec, 0.0, {0: chunks[0]})
+    with pytest.raises(LocalProtocolError):
+        partial.replace_data(spec.obj, {0: memoryview(chunks[0])})  # not complete
+    leech.add_object(spec, 0.0)
+    net.link("seed", "leech", 0.0)
+    for _, msg in leech.take_outgoing():
+        seed.receive("leech", msg, 0.0)
+    seed.handle_timer(1.0)
+    for _, msg in seed.take_outgoing():
+        leech.receive("seed", msg, 1.0)
+    for _, msg in leech.take_outgoing():
+        seed.receive("leech", msg, 1.0)
+    assert seed.upload_queued("leech") > 0
+    # The same bytes, held elsewhere (read-only views): queued uploads are served from them.
+    held = {i: memoryview(bytes(c)).toreadonly() for i, c in enumerate(chunks)}
+    seed.replace_data(spec.obj, held)
+    assert seed.chunk(spec.obj, 3) is held[3] and seed.upload_queued("leech") > 0
+    for t in (1.0, 2.0, 3.0, 8.0):
+        seed.handle_timer(t)
+        net.run(t)
+    assert leech.is_complete(spec.obj) and leech.banned == frozenset()
+    assert [leech.chunk(spec.obj, i) for i in range(len(chunks))] == chunks
+    with pytest.raises(LocalProtocolError):
+        seed.replace_data(spec.obj, {i: held[i] for i in range(3)})
+    with pytest.raises(LocalProtocolError):
+        seed.replace_data(spec.obj, {**held, 0: held[0][1:]})
+
+
 def test_a_neighbour_cannot_make_us_track_unbounded_unknown_objects() -> None:
     core = Exchange("me", region="r")
     core.connect("them", 0.0, region="r")

@@ -480,6 +480,17 @@ class Exchange:
         ready, self._ready = self._ready, set()
         return ready
 
+    def replace_data(self, obj: bytes, data: Mapping[int, Chunk]) -> None:
+        """Hold the chunks of complete object ``obj`` as ``data`` from now on: the same
+        bytes kept elsewhere (views of a state filled from them), so the received copies
+        can be freed. Peers' haves and queued uploads are kept."""
+        o = self._objects.get(obj)
+        if o is None or o.complete_at is None:
+            raise LocalProtocolError("only a complete object's chunks can be replaced")
+        if set(data) != o.have or any(len(d) != o.spec.sizes[i] for i, d in data.items()):
+            raise LocalProtocolError("the replacement chunks do not fit the object")
+        o.data = dict(data)
+
     def take_events(self) -> list[Event]:
         ev, self._events = self._events, []
         return ev

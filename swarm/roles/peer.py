@@ -498,8 +498,8 @@ class RolloutPeer(NodeBase):
                 changed = frozenset(self.state)
                 # Serve the pieces from the state from now on; free the received copy.
                 del chunks
-                self.driver.retain(set(self.driver.objects - {spec.obj}))
-                self._serve_state(sm)
+                ex.replace_data(spec.obj, piece_views(self.state, sm.manifest.piece_size))
+                self._views_served.add(spec.obj)
             else:
                 try:
                     for cid, data in zip(spec.chunk_ids, chunks, strict=True):
