@@ -381,6 +381,19 @@ def test_random_message_sequences_never_crash_the_core() -> None:
     run()
 
 
+def _queue_requests(seed: Exchange, leech: Exchange) -> None:
+    """Hand the leech's first messages to the seed, unchoke it, and queue its requests
+    at the seed (uploads not yet sent)."""
+    for _, msg in leech.take_outgoing():
+        seed.receive("leech", msg, 0.0)
+    seed.handle_timer(1.0)
+    for _, msg in seed.take_outgoing():
+        leech.receive("seed", msg, 1.0)
+    for _, msg in leech.take_outgoing():
+        seed.receive("leech", msg, 1.0)
+    assert seed.upload_queued("leech") > 0
+
+
 def test_removed_object_frees_its_chunks_and_stops_uploads() -> None:
     spec, chunks = make_object()
     net = Net()
@@ -390,14 +403,7 @@ def test_removed_object_frees_its_chunks_and_stops_uploads() -> None:
     leech.add_object(spec, 0.0)
     net.link("seed", "leech", 0.0)
     # The leech's requests are queued at the seed, then the seed drops the object.
-    for _, msg in leech.take_outgoing():
-        seed.receive("leech", msg, 0.0)
-    seed.handle_timer(1.0)
-    for _, msg in seed.take_outgoing():
-        leech.receive("seed", msg, 1.0)
-    for _, msg in leech.take_outgoing():
-        seed.receive("leech", msg, 1.0)
-    assert seed.upload_queued("leech") > 0
+    _queue_requests(seed, leech)
     seed.remove_object(spec.obj)
     seed.remove_object(spec.obj)  # removing twice is harmless
     assert seed.chunk(spec.obj, 0) is None and not seed.has(spec.obj, 0)
@@ -428,14 +434,7 @@ def test_replaced_chunks_serve_queued_uploads_and_must_fit() -> None:
         partial.replace_data(spec.obj, {0: memoryview(chunks[0])})  # not complete
     leech.add_object(spec, 0.0)
     net.link("seed", "leech", 0.0)
-    for _, msg in leech.take_outgoing():
-        seed.receive("leech", msg, 0.0)
-    seed.handle_timer(1.0)
-    for _, msg in seed.take_outgoing():
-        leech.receive("seed", msg, 1.0)
-    for _, msg in leech.take_outgoing():
-        seed.receive("leech", msg, 1.0)
-    assert seed.upload_queued("leech") > 0
+    _queue_requests(seed, leech)
     # The same bytes, held elsewhere (read-only views): queued uploads are served from them.
     held = {i: memoryview(bytes(c)).toreadonly() for i, c in enumerate(chunks)}
     seed.replace_data(spec.obj, held)

@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from swarm.net import topics
 from swarm.net.memory import LinkProfile, MemoryNetwork
 from swarm.protocol.exchange import ObjectSpec
 from swarm.protocol.leases import SamplingParams
-from swarm.roles.peer import PeerConfig, RolloutPeer, next_manifest
+from swarm.roles.peer import PeerConfig, RolloutPeer, StatusFn, next_manifest
 from swarm.roles.trainer import TrainerConfig, TrainerNode
 
 CFG = TinyModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2,
@@ -150,42 +151,71 @@ class _GatedEngine(TorchEngine):
         super().apply(tensors)
 
 
-async def test_lagging_peer_follows_its_deltas_when_a_newcomer_asks_for_a_keyframe(
-        tmp_path: Path) -> None:
-    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=4)
-    trainer_id = Identity.from_seed(b"G" * 32)
-    master = build_model(CFG)
+@dataclasses.dataclass
+class _Swarm:
+    """A trainer on an in-memory network; peers join it."""
 
-    async def join(seed: bytes, cfg: TinyModelConfig, gate: threading.Event) -> RolloutPeer:
+    stack: contextlib.AsyncExitStack
+    net: MemoryNetwork
+    trainer_id: Identity
+    tnet: Any
+    trainer: TrainerNode
+
+    async def join(self, seed: bytes, cfg: TinyModelConfig = CFG, *, connect: bool = True,
+                   gate: threading.Event | None = None, status: StatusFn | None = None,
+                   also: Sequence[RolloutPeer] = ()) -> RolloutPeer:
+        """A peer whose local weights are ``cfg``'s, connected to the trainer (and to
+        ``also``) unless ``connect`` is false."""
         ident = Identity.from_seed(seed * 32)
-        pnet = await stack.enter_async_context(net.transport(ident))
-        await pnet.connect(tnet.listen_addresses[0])
-        return await stack.enter_async_context(RolloutPeer(
-            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
-            inference_state(build_model(cfg)),
-            _GatedEngine(build_model(cfg, dtype=torch.bfloat16), gate)))
+        pnet = await self.stack.enter_async_context(self.net.transport(ident))
+        if connect:
+            await pnet.connect(self.tnet.listen_addresses[0])
+        for other in also:
+            await pnet.connect(other.net.listen_addresses[0])
+        model = build_model(cfg, dtype=torch.bfloat16)
+        engine = TorchEngine(model) if gate is None else _GatedEngine(model, gate)
+        return await self.stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="t", trainer=self.trainer_id.peer_id),
+            inference_state(build_model(cfg)), engine, status=status))
 
+    async def announce(self, signed: SignedManifest) -> None:
+        await self.tnet.publish(topics.manifests("t"), signed.encode())
+
+
+@contextlib.asynccontextmanager
+async def _swarm(tmp_path: Path, seed: int, name: bytes) -> AsyncIterator[_Swarm]:
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=seed)
+    trainer_id = Identity.from_seed(name * 32)
     async with contextlib.AsyncExitStack() as stack:
         tnet = await stack.enter_async_context(net.transport(trainer_id))
         trainer = await stack.enter_async_context(TrainerNode(
             trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
-        await trainer.publish(inference_state(master))
+        yield _Swarm(stack, net, trainer_id, tnet, trainer)
+
+
+def _on_failure(event: asyncio.Event) -> StatusFn:
+    return lambda ev, fields: event.set() if ev == "verify_failed" else None
+
+
+async def test_lagging_peer_follows_its_deltas_when_a_newcomer_asks_for_a_keyframe(
+        tmp_path: Path) -> None:
+    master = build_model(CFG)
+    async with _swarm(tmp_path, 4, b"G") as sw:
+        await sw.trainer.publish(inference_state(master))
         busy = threading.Event()
         busy.set()
-        lagging = await join(b"a", CFG, busy)
+        lagging = await sw.join(b"a", gate=busy)
         async with asyncio.timeout(30):
             await lagging.wait_version(0)
         busy.clear()  # the peer now lags: it cannot install versions 1-3
         deltas = dense = 0
         for step in (1, 2, 3):
             _nudge(master, step)
-            pub = await trainer.publish(inference_state(master))
+            pub = await sw.trainer.publish(inference_state(master))
             deltas, dense = deltas + pub.payload_bytes, pub.dense_bytes
         # A newcomer with other weights asks for, and gets, a keyframe of version 3; the
         # trainer announces it to every peer.
-        open_gate = threading.Event()
-        open_gate.set()
-        newcomer = await join(b"b", dataclasses.replace(CFG, seed=99), open_gate)
+        newcomer = await sw.join(b"b", dataclasses.replace(CFG, seed=99))
         async with asyncio.timeout(30):
             await newcomer.wait_version(3)
             busy.set()
@@ -199,38 +229,23 @@ async def test_lagging_peer_follows_its_deltas_when_a_newcomer_asks_for_a_keyfra
 
 async def test_keyframes_are_served_from_the_state_itself_and_withdrawn_before_a_patch(
         tmp_path: Path) -> None:
-    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=5)
-    trainer_id = Identity.from_seed(b"V" * 32)
     master = build_model(CFG)
-    async with contextlib.AsyncExitStack() as stack:
-        tnet = await stack.enter_async_context(net.transport(trainer_id))
-        trainer = await stack.enter_async_context(TrainerNode(
-            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+    async with _swarm(tmp_path, 5, b"V") as sw:
+        trainer = sw.trainer
         key0 = (await trainer.publish(inference_state(master))).manifest
         # The trainer seeds its keyframe from its snapshot of the state: no second copy.
         assert isinstance(trainer.driver.exchange.chunk(key0.id, 0), memoryview)
-        peers = []
-        for seed, cfg in ((b"a", CFG), (b"b", dataclasses.replace(CFG, seed=99))):
-            ident = Identity.from_seed(seed * 32)
-            pnet = await stack.enter_async_context(net.transport(ident))
-            await pnet.connect(tnet.listen_addresses[0])
-            for other in peers:
-                await pnet.connect(other.net.listen_addresses[0])
-            peers.append(await stack.enter_async_context(RolloutPeer(
-                ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
-                inference_state(build_model(cfg)),
-                TorchEngine(build_model(cfg, dtype=torch.bfloat16)))))
-            if seed == b"a":
-                async with asyncio.timeout(30):
-                    await peers[0].wait_version(0)
-                # Its local weights are version 0: it serves them as they lie in memory.
-                assert isinstance(peers[0].driver.exchange.chunk(key0.id, 0), memoryview)
-                _nudge(master, 1)
-                await trainer.publish(inference_state(master))
-                async with asyncio.timeout(30):
-                    await peers[0].wait_version(1)
-                assert key0.id not in peers[0].driver.objects  # withdrawn before patching
-        old_peer, newcomer = peers
+        old_peer = await sw.join(b"a")
+        async with asyncio.timeout(30):
+            await old_peer.wait_version(0)
+        # Its local weights are version 0: it serves them as they lie in memory.
+        assert isinstance(old_peer.driver.exchange.chunk(key0.id, 0), memoryview)
+        _nudge(master, 1)
+        await trainer.publish(inference_state(master))
+        async with asyncio.timeout(30):
+            await old_peer.wait_version(1)
+        assert key0.id not in old_peer.driver.objects  # withdrawn before patching
+        newcomer = await sw.join(b"b", dataclasses.replace(CFG, seed=99), also=[old_peer])
         async with asyncio.timeout(30):
             await newcomer.wait_version(1)  # by a keyframe of version 1, announced to all
         deltas = {m.id for m in trainer.manifests}
@@ -243,10 +258,10 @@ async def test_keyframes_are_served_from_the_state_itself_and_withdrawn_before_a
         _nudge(master, 2)
         await trainer.publish(inference_state(master))
         async with asyncio.timeout(30):
-            for p in peers:
+            for p in (old_peer, newcomer):
                 await p.wait_version(2)
         want = state_root_of(inference_state(master), PIECE)
-        for p in peers:
+        for p in (old_peer, newcomer):
             assert p.root == want == state_root_of(p.state, PIECE)
             assert p.bans == [] and p.verify_failures == 0
         assert not seeded & old_peer.driver.objects  # patched: the views are withdrawn
@@ -255,46 +270,35 @@ async def test_keyframes_are_served_from_the_state_itself_and_withdrawn_before_a
 
 async def test_a_signed_delta_that_does_not_decode_is_reverted_and_the_peer_goes_on(
         tmp_path: Path) -> None:
-    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=6)
-    trainer_id = Identity.from_seed(b"D" * 32)
     master = build_model(CFG)
     failed = asyncio.Event()
-    async with contextlib.AsyncExitStack() as stack:
-        tnet = await stack.enter_async_context(net.transport(trainer_id))
-        trainer = await stack.enter_async_context(TrainerNode(
-            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
+    async with _swarm(tmp_path, 6, b"D") as sw:
         base = inference_state(master)
-        await trainer.publish(base)
-        ident = Identity.from_seed(b"d" * 32)
-        pnet = await stack.enter_async_context(net.transport(ident))
-        await pnet.connect(tnet.listen_addresses[0])
-        peer = await stack.enter_async_context(RolloutPeer(
-            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
-            inference_state(build_model(CFG)), TorchEngine(build_model(CFG, dtype=torch.bfloat16)),
-            status=lambda ev, f: failed.set() if ev == "verify_failed" else None))
+        await sw.trainer.publish(base)
+        peer = await sw.join(b"d", status=_on_failure(failed))
         async with asyncio.timeout(30):
             await peer.wait_version(0)
         # A delta signed by the trainer whose second chunk hashes right but is garbage
         # (a trainer bug): the first chunk is applied before the second fails to decode.
         _nudge(master, 1)
         good, chunks = encode_delta_sync(
-            base, inference_state(master), trainer_id, "t", 1,
+            base, inference_state(master), sw.trainer_id, "t", 1,
             config=EncoderConfig(piece_size=PIECE, segment_elems=256, chunk_target=64))
         assert len(chunks) >= 2
         garbage = b"\x93" * 40
         data = [c.data for c in chunks[:-1]] + [garbage]
         bad = dataclasses.replace(good.manifest, chunks=tuple(
-            (chunk_id(d), len(d)) for d in data)).sign(trainer_id)
-        trainer.driver.add_object(ObjectSpec.from_manifest(bad), dict(enumerate(data)))
-        await tnet.publish(topics.manifests("t"), bad.encode())
+            (chunk_id(d), len(d)) for d in data)).sign(sw.trainer_id)
+        sw.trainer.driver.add_object(ObjectSpec.from_manifest(bad), dict(enumerate(data)))
+        await sw.announce(bad)
         async with asyncio.timeout(30):
             await failed.wait()
         assert peer.version == 0 and peer.verify_failures == 1
         assert state_root_of(peer.state, PIECE) == state_root_of(base, PIECE)  # reverted
         assert ObjectSpec.from_manifest(bad).obj not in peer.driver.objects
         # Offered again, the failed version is ignored: not fetched, not tried.
-        await tnet.publish(topics.manifests("t"), bad.encode())
-        await trainer.publish(inference_state(master))  # the real version 1
+        await sw.announce(bad)
+        await sw.trainer.publish(inference_state(master))  # the real version 1
         async with asyncio.timeout(30):
             await peer.wait_version(1)
         assert peer.root == state_root_of(peer.state, PIECE) == \
@@ -304,32 +308,21 @@ async def test_a_signed_delta_that_does_not_decode_is_reverted_and_the_peer_goes
 
 async def test_a_keyframe_that_fills_the_wrong_state_leaves_no_version_and_is_replaced(
         tmp_path: Path) -> None:
-    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=7)
-    trainer_id = Identity.from_seed(b"F" * 32)
     master = build_model(CFG)
     failed = asyncio.Event()
-    async with contextlib.AsyncExitStack() as stack:
-        tnet = await stack.enter_async_context(net.transport(trainer_id))
-        trainer = await stack.enter_async_context(TrainerNode(
-            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
-        good = (await trainer.publish(inference_state(master))).manifest
+    async with _swarm(tmp_path, 7, b"F") as sw:
+        good = (await sw.trainer.publish(inference_state(master))).manifest
         # Signed by the trainer, pieces that hash right, but they fill another state than
         # its root (a trainer bug): announced before the peer can ask for anything.
         other = inference_state(build_model(dataclasses.replace(CFG, seed=77)))
         pieces = piece_views(other, PIECE)
         bad = dataclasses.replace(good.manifest, chunks=tuple(
-            (chunk_id(v), len(v)) for v in pieces.values())).sign(trainer_id)
-        trainer.driver.add_object(ObjectSpec.from_manifest(bad), pieces)
-        ident = Identity.from_seed(b"f" * 32)
-        pnet = await stack.enter_async_context(net.transport(ident))
-        weights = dataclasses.replace(CFG, seed=55)
-        peer = await stack.enter_async_context(RolloutPeer(
-            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
-            inference_state(build_model(weights)),
-            TorchEngine(build_model(weights, dtype=torch.bfloat16)),
-            status=lambda ev, f: failed.set() if ev == "verify_failed" else None))
-        await tnet.publish(topics.manifests("t"), bad.encode())
-        await pnet.connect(tnet.listen_addresses[0])
+            (chunk_id(v), len(v)) for v in pieces.values())).sign(sw.trainer_id)
+        sw.trainer.driver.add_object(ObjectSpec.from_manifest(bad), pieces)
+        peer = await sw.join(b"f", dataclasses.replace(CFG, seed=55), connect=False,
+                             status=_on_failure(failed))
+        await sw.announce(bad)
+        await peer.net.connect(sw.tnet.listen_addresses[0])
         async with asyncio.timeout(30):
             await failed.wait()
             await peer.wait_version(0)  # by the trainer's own keyframe, asked for anew
@@ -338,29 +331,18 @@ async def test_a_keyframe_that_fills_the_wrong_state_leaves_no_version_and_is_re
 
 
 async def test_a_keyframe_nobody_serves_is_dropped_for_a_newer_one(tmp_path: Path) -> None:
-    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=8)
-    trainer_id = Identity.from_seed(b"N" * 32)
     master = build_model(CFG)
-    async with contextlib.AsyncExitStack() as stack:
-        tnet = await stack.enter_async_context(net.transport(trainer_id))
-        trainer = await stack.enter_async_context(TrainerNode(
-            trainer_id, tnet, TrainerConfig(run="t", data_dir=tmp_path, piece_size=PIECE)))
-        await trainer.publish(inference_state(master))
+    async with _swarm(tmp_path, 8, b"N") as sw:
+        await sw.trainer.publish(inference_state(master))
         _nudge(master, 1)
-        await trainer.publish(inference_state(master))
+        await sw.trainer.publish(inference_state(master))
         # An older keyframe whose seeders have all moved on: nobody serves its pieces.
-        gone = keyframe_manifest(inference_state(build_model(CFG)), trainer_id, "t", 0,
+        gone = keyframe_manifest(inference_state(build_model(CFG)), sw.trainer_id, "t", 0,
                                  piece_size=PIECE)
-        ident = Identity.from_seed(b"n" * 32)
-        pnet = await stack.enter_async_context(net.transport(ident))
-        weights = dataclasses.replace(CFG, seed=44)
-        peer = await stack.enter_async_context(RolloutPeer(
-            ident, pnet, PeerConfig(run="t", trainer=trainer_id.peer_id),
-            inference_state(build_model(weights)),
-            TorchEngine(build_model(weights, dtype=torch.bfloat16))))
-        await tnet.publish(topics.manifests("t"), gone.encode())
+        peer = await sw.join(b"n", dataclasses.replace(CFG, seed=44), connect=False)
+        await sw.announce(gone)
         # Connected, it asks for and gets a keyframe of version 1 while still on that one.
-        await pnet.connect(tnet.listen_addresses[0])
+        await peer.net.connect(sw.tnet.listen_addresses[0])
         async with asyncio.timeout(30):
             await peer.wait_version(1)
         assert peer.root == state_root_of(inference_state(master), PIECE)
