@@ -450,6 +450,19 @@ def test_replaced_chunks_serve_queued_uploads_and_must_fit() -> None:
         seed.replace_data(spec.obj, {**held, 0: held[0][1:]})
 
 
+def test_idle_time_counts_from_the_last_chunk_received() -> None:
+    spec, chunks = make_object()
+    net = Net()
+    seed = net.add(Exchange("seed", region="r", seed=1))
+    leech = net.add(Exchange("leech", region="r", seed=2))
+    leech.add_object(spec, 0.0)
+    assert leech.idle(spec.obj, 5.0) == 5.0  # nothing yet: idle since it was added
+    seed.add_object(spec, 5.0, dict(enumerate(chunks)))
+    net.link("seed", "leech", 5.0)
+    net.run(5.0)  # every chunk arrives at 5.0
+    assert leech.is_complete(spec.obj) and leech.idle(spec.obj, 9.0) == 4.0
+
+
 def test_a_neighbour_cannot_make_us_track_unbounded_unknown_objects() -> None:
     core = Exchange("me", region="r")
     core.connect("them", 0.0, region="r")

@@ -163,9 +163,9 @@ class _Swarm:
 
     async def join(self, seed: bytes, cfg: TinyModelConfig = CFG, *, connect: bool = True,
                    gate: threading.Event | None = None, status: StatusFn | None = None,
-                   also: Sequence[RolloutPeer] = ()) -> RolloutPeer:
+                   also: Sequence[RolloutPeer] = (), **settings: Any) -> RolloutPeer:
         """A peer whose local weights are ``cfg``'s, connected to the trainer (and to
-        ``also``) unless ``connect`` is false."""
+        ``also``) unless ``connect`` is false; ``settings`` go to its config."""
         ident = Identity.from_seed(seed * 32)
         pnet = await self.stack.enter_async_context(self.net.transport(ident))
         if connect:
@@ -175,7 +175,7 @@ class _Swarm:
         model = build_model(cfg, dtype=torch.bfloat16)
         engine = TorchEngine(model) if gate is None else _GatedEngine(model, gate)
         return await self.stack.enter_async_context(RolloutPeer(
-            ident, pnet, PeerConfig(run="t", trainer=self.trainer_id.peer_id),
+            ident, pnet, PeerConfig(run="t", trainer=self.trainer_id.peer_id, **settings),
             inference_state(build_model(cfg)), engine, status=status))
 
     async def announce(self, signed: SignedManifest) -> None:
@@ -339,9 +339,11 @@ async def test_a_keyframe_nobody_serves_is_dropped_for_a_newer_one(tmp_path: Pat
         # An older keyframe whose seeders have all moved on: nobody serves its pieces.
         gone = keyframe_manifest(inference_state(build_model(CFG)), sw.trainer_id, "t", 0,
                                  piece_size=PIECE)
-        peer = await sw.join(b"n", dataclasses.replace(CFG, seed=44), connect=False)
+        peer = await sw.join(b"n", dataclasses.replace(CFG, seed=44), connect=False,
+                             keyframe_stall=0.5)
         await sw.announce(gone)
-        # Connected, it asks for and gets a keyframe of version 1 while still on that one.
+        # Connected, it asks for and gets a keyframe of version 1 while still on that one;
+        # no chunk of the old one comes, so it gives it up.
         await peer.net.connect(sw.tnet.listen_addresses[0])
         async with asyncio.timeout(30):
             await peer.wait_version(1)

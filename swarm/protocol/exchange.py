@@ -205,6 +205,7 @@ class _Obj:
     complete_at: float | None = None
     avg_size: int = 1
     last_progress: float = 0.0
+    last_chunk: float = 0.0
     # super-seeding (trainer side): times each chunk was suggested, suggestions pending
     times_suggested: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
@@ -298,6 +299,10 @@ class Exchange:
         o = self._objects.get(obj)
         return o is not None and o.complete_at is not None
 
+    def idle(self, obj: bytes, now: float) -> float:
+        """Seconds since a chunk of ``obj`` last arrived (or since it was added)."""
+        return now - self._objects[obj].last_chunk
+
     def progress(self, obj: bytes) -> tuple[int, int]:
         """(chunks held, chunks total) of ``obj``."""
         o = self._objects[obj]
@@ -310,7 +315,7 @@ class Exchange:
             raise LocalProtocolError("object already added")
         n = len(spec.sizes)
         o = _Obj(spec, now, set(), {}, [0] * n, [0] * n, [set() for _ in range(n)],
-                 times_suggested=[0] * n, pending=[0] * n, last_progress=now,
+                 times_suggested=[0] * n, pending=[0] * n, last_progress=now, last_chunk=now,
                  avg_size=max(1, spec.total_bytes // max(1, n)),
                  tiebreaks=[picker.tiebreak(self._salt, i) for i in range(n)])
         for i, d in (data or {}).items():
@@ -678,7 +683,7 @@ class Exchange:
             return
         o.have.add(msg.index)
         data = o.data[msg.index] = bytes(msg.data)  # received: bytes already, not copied
-        o.last_progress = now
+        o.last_progress = o.last_chunk = now
         o.suggested.discard(msg.index)
         for other in o.inflight.pop(msg.index, {}):
             if other != p.peer:

@@ -101,6 +101,9 @@ class PeerConfig:
     this long after it listens (a refused dial costs one round trip)."""
     store_budget: int = 256 << 20
     """Bytes of received chunks kept on disk (the two newest versions always stay)."""
+    keyframe_stall: float = 10.0
+    """Seconds without a new chunk after which a keyframe being fetched is given up for a
+    newer one (its seeders may have moved on; while it progresses, it is kept)."""
 
 
 def next_manifest(version: int, deltas: Mapping[int, SignedManifest],
@@ -366,21 +369,19 @@ class RolloutPeer(NodeBase):
 
     async def _fetched(self, sm: SignedManifest, spec: ObjectSpec) -> bool:
         """Wait for every chunk of ``spec``. False, for a keyframe, once a newer one is
-        announced: its seeders move on (the trainer seeds only its newest keyframe, peers
-        only that of the version they hold), so it may never complete."""
+        announced and no chunk came for ``keyframe_stall`` seconds: its seeders move on
+        (the trainer seeds only its newest keyframe, peers only that of the version they
+        hold), so it may never complete."""
         done = asyncio.ensure_future(self.driver.wait_complete(spec.obj))
+        stall = self.config.keyframe_stall
         try:
             while not done.done():
                 newer = self._keyframe
                 if (sm.manifest.kind == "keyframe" and newer is not None
-                        and newer.manifest.step > sm.manifest.step):
+                        and newer.manifest.step > sm.manifest.step
+                        and self.driver.exchange.idle(spec.obj, self.driver.now()) >= stall):
                     return False
-                self._new_manifest.clear()
-                announced = asyncio.ensure_future(self._new_manifest.wait())
-                try:
-                    await asyncio.wait({done, announced}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    announced.cancel()
+                await asyncio.wait({done}, timeout=stall / 4)
             return True
         finally:
             done.cancel()
