@@ -340,7 +340,7 @@ async def test_a_keyframe_nobody_serves_is_dropped_for_a_newer_one(tmp_path: Pat
         gone = keyframe_manifest(inference_state(build_model(CFG)), sw.trainer_id, "t", 0,
                                  piece_size=PIECE)
         peer = await sw.join(b"n", dataclasses.replace(CFG, seed=44), connect=False,
-                             keyframe_stall=0.5)
+                             fetch_stall=0.5)
         await sw.announce(gone)
         # Connected, it asks for and gets a keyframe of version 1 while still on that one;
         # no chunk of the old one comes, so it gives it up.
@@ -349,6 +349,32 @@ async def test_a_keyframe_nobody_serves_is_dropped_for_a_newer_one(tmp_path: Pat
             await peer.wait_version(1)
         assert peer.root == state_root_of(inference_state(master), PIECE)
         assert ObjectSpec.from_manifest(gone).obj not in peer.driver.objects
+
+
+async def test_a_peer_with_another_model_stops_before_fetching_and_foreign_codecs_are_skipped(
+        tmp_path: Path) -> None:
+    master = build_model(CFG)
+    async with _swarm(tmp_path, 9, b"L") as sw:
+        base = inference_state(master)
+        await sw.trainer.publish(base)
+        other = await sw.join(b"o", dataclasses.replace(CFG, hidden_size=16, head_dim=8))
+        async with asyncio.timeout(30):
+            await other.closed.wait()  # it can never follow this run: it says so and stops
+        assert other.version == -1 and other.driver.exchange.bytes_down == 0
+        peer = await sw.join(b"p")
+        async with asyncio.timeout(30):
+            await peer.wait_version(0)
+        # A delta in a codec this peer does not decode is not fetched or tried.
+        _nudge(master, 1)
+        good, _ = encode_delta_sync(base, inference_state(master), sw.trainer_id, "t", 1,
+                                    config=EncoderConfig(piece_size=PIECE))
+        foreign = dataclasses.replace(good.manifest, codec="other-codec").sign(sw.trainer_id)
+        await sw.announce(foreign)
+        await sw.trainer.publish(inference_state(master))
+        async with asyncio.timeout(30):
+            await peer.wait_version(1)
+        assert peer.verify_failures == 0
+        assert ObjectSpec.from_manifest(foreign).obj not in peer.driver.objects
 
 
 async def test_old_versions_are_freed_on_trainer_and_peers(tmp_path: Path) -> None:

@@ -34,15 +34,20 @@ class NodeBase:
         self.mux = Mux(net)
         self._exchange_config = exchange_config
         self._seed = seed
-        self._tasks: list[asyncio.Task[None]] = []
-        self._coros: list[Coroutine[Any, Any, None]] = []
+        self._tasks: dict[asyncio.Task[None], Coroutine[Any, Any, None]] = {}
+        """Running tasks and their coroutines (a finished task leaves on its own)."""
         self.driver: ExchangeDriver
         self.closed = asyncio.Event()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(self._guard(coro, name), name=name)
-        self._tasks.append(task)
-        self._coros.append(coro)
+        self._tasks[task] = coro
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: :meth:`_guard` logged it and closed the node
 
     async def _guard(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         try:
@@ -66,15 +71,15 @@ class NodeBase:
             self.on_peer(peer, True)
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = dict(self._tasks)
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for coro in self._coros:
+        for coro in tasks.values():
             coro.close()  # a task cancelled before it ran never started its coroutine
         self._tasks.clear()
-        self._coros.clear()
         await self.driver.__aexit__(None, None, None)
 
     async def _peer_events(self) -> None:

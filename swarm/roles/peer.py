@@ -30,6 +30,7 @@ import torch
 
 from swarm.content.manifest import SignedManifest
 from swarm.content.store import DiskChunkStore
+from swarm.delta.codec import CODEC_NAME
 from swarm.delta.patch import Patcher
 from swarm.delta.state import KeyframeFiller, layout_of, piece_views, state_root_of
 from swarm.engines import RolloutEngine, Sampling
@@ -101,9 +102,14 @@ class PeerConfig:
     this long after it listens (a refused dial costs one round trip)."""
     store_budget: int = 256 << 20
     """Bytes of received chunks kept on disk (the two newest versions always stay)."""
-    keyframe_stall: float = 10.0
-    """Seconds without a new chunk after which a keyframe being fetched is given up for a
-    newer one (its seeders may have moved on; while it progresses, it is kept)."""
+    fetch_stall: float = 10.0
+    """Seconds without a new chunk of a version being fetched after which the trainer is
+    asked again, and the fetch is given up if something else is now the version to take
+    (its seeders may have moved on; while it progresses, it is kept)."""
+
+    def __post_init__(self) -> None:
+        if not self.fetch_stall > 0:
+            raise ValueError("fetch_stall must be positive")
 
 
 def next_manifest(version: int, deltas: Mapping[int, SignedManifest],
@@ -149,6 +155,7 @@ class RolloutPeer(NodeBase):
         """Objects whose chunks are views of ``state`` (keyframes of the version held)."""
         self._writing = False
         """``state`` is being written: it matches no version until the write ends."""
+        self._layout_digest = layout_of(state).digest
         self._asked_after = -1
         """The newest version whose announcement made this peer ask for a sync."""
         self._failed: deque[bytes] = deque(maxlen=MAX_FAILED)
@@ -322,6 +329,10 @@ class RolloutPeer(NodeBase):
         m = sm.manifest
         if m.run != self.config.run or (self._failed and sm.id in self._failed):
             return
+        if m.kind == "delta" and m.codec != CODEC_NAME:
+            log.warning("dropped step %d: codec %r, this peer decodes %r", m.step, m.codec,
+                        CODEC_NAME)
+            return
         if m.kind == "keyframe" and m.step == self.version and m.target_root == self.root:
             # A keyframe of the version we hold: seed its pieces for newcomers (not while
             # the state is being written: then it holds no version).
@@ -331,8 +342,10 @@ class RolloutPeer(NodeBase):
         if m.step <= self.version:
             return
         if m.kind == "keyframe":
-            if self._keyframe is None or m.step > self._keyframe.manifest.step:
-                self._keyframe = sm
+            held = self._keyframe
+            if held is None or m.step > held.manifest.step or \
+                    (m.step == held.manifest.step and sm.id != held.id):
+                self._keyframe = sm  # the newest; of one step, the last announced
         else:
             if len(self._deltas) < MAX_PENDING_DELTAS:
                 self._deltas.setdefault(m.step, sm)
@@ -368,19 +381,28 @@ class RolloutPeer(NodeBase):
         return next_manifest(self.version, self._deltas, self._keyframe)
 
     async def _fetched(self, sm: SignedManifest, spec: ObjectSpec) -> bool:
-        """Wait for every chunk of ``spec``. False, for a keyframe, once a newer one is
-        announced and no chunk came for ``keyframe_stall`` seconds: its seeders move on
-        (the trainer seeds only its newest keyframe, peers only that of the version they
-        hold), so it may never complete."""
+        """Wait for every chunk of ``spec``. While none comes for ``fetch_stall`` seconds,
+        ask the trainer again, once a stall; then give up (False) if another version is now
+        the one to take: its seeders move on (the trainer seeds only its newest keyframe
+        and the versions it keeps, peers the keyframe of the version they hold), so it may
+        never complete."""
         done = asyncio.ensure_future(self.driver.wait_complete(spec.obj))
-        stall = self.config.keyframe_stall
+        stall = self.config.fetch_stall
+        asked = self.driver.now()
         try:
             while not done.done():
-                newer = self._keyframe
-                if (sm.manifest.kind == "keyframe" and newer is not None
-                        and newer.manifest.step > sm.manifest.step
-                        and self.driver.exchange.idle(spec.obj, self.driver.now()) >= stall):
-                    return False
+                now = self.driver.now()
+                if self.driver.exchange.idle(spec.obj, now) >= stall:
+                    ahead = self._keyframe
+                    if sm.manifest.kind == "delta" and ahead is not None \
+                            and self._deltas.get(sm.manifest.step) is sm:
+                        # Nobody serves it, and a keyframe ahead is known: take that.
+                        del self._deltas[sm.manifest.step]
+                    if self._next_manifest() is not sm:
+                        return False
+                    if now - asked >= stall:
+                        asked = now
+                        await self._ask_sync(-1 if sm.manifest.kind == "keyframe" else None)
                 await asyncio.wait({done}, timeout=stall / 4)
             return True
         finally:
@@ -402,6 +424,11 @@ class RolloutPeer(NodeBase):
                     await self._new_manifest.wait()
                 continue
             t0 = time.perf_counter()
+            if sm.manifest.layout_digest != self._layout_digest:
+                raise RuntimeError(
+                    f"step {sm.manifest.step} is for another model (layout digest "
+                    f"{sm.manifest.layout_digest.hex()[:16]}, this peer's state has "
+                    f"{self._layout_digest.hex()[:16]}): this peer cannot follow the run")
             spec = ObjectSpec.from_manifest(sm)
             if spec.chunk_ids:
                 if sm.manifest.kind == "keyframe" and await self._local_matches(sm):
