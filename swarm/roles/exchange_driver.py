@@ -94,7 +94,11 @@ class ExchangeDriver:
 
     def retain(self, keep: set[bytes]) -> None:
         """Stop exchanging, and free, every object not in ``keep`` (old versions)."""
-        for obj in self._objects - keep:
+        self.drop(self._objects - keep)
+
+    def drop(self, objs: set[bytes] | frozenset[bytes]) -> None:
+        """Stop exchanging, and free, the objects ``objs`` (those not held are ignored)."""
+        for obj in objs & self._objects:
             self._objects.discard(obj)
             self._complete.pop(obj, None)
             self.exchange.remove_object(obj)

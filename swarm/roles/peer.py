@@ -440,7 +440,7 @@ class RolloutPeer(NodeBase):
                 fetched_all = await self._fetched(sm, spec)
                 self._fetching.pop(spec.obj, None)
                 if not fetched_all:
-                    self.driver.retain(set(self.driver.objects - {spec.obj}))
+                    self.driver.drop({spec.obj})
                     continue
             fetched = time.perf_counter() - t0
             try:
@@ -457,7 +457,7 @@ class RolloutPeer(NodeBase):
                 bad = isinstance(exc, RemoteProtocolError)
                 if bad:  # its content is wrong however often it is fetched: never again
                     self._failed.append(sm.id)
-                    self.driver.retain(set(self.driver.objects - {spec.obj}))
+                    self.driver.drop({spec.obj})
                 await self._ask_sync(-1 if bad else None)
                 continue
             self.verified += 1
@@ -492,7 +492,7 @@ class RolloutPeer(NodeBase):
         """Stop serving chunks that are views of the state: it is about to change."""
         self._writing = True
         if self._views_served:
-            self.driver.retain(set(self.driver.objects - self._views_served))
+            self.driver.drop(self._views_served)
             self._views_served.clear()
 
     async def _install(self, sm: SignedManifest, spec: ObjectSpec
