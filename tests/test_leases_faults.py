@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from swarm.errors import LocalProtocolError
-from swarm.protocol.leases import SCENARIOS, ScenarioReport, run_scenario
+from swarm.sim.lease_faults import SCENARIOS, ScenarioReport, run_scenario
 
 pytestmark = pytest.mark.timeout(120)
 
