@@ -20,7 +20,6 @@ from swarm.content.ids import domain_hash
 from swarm.errors import DecodeError, LocalProtocolError, SignatureError
 from swarm.identity import Identity
 from swarm.protocol.leases import (
-    LEASE_ID_LEN,
     Completion,
     Lease,
     LeaseConfig,
@@ -35,10 +34,9 @@ from swarm.protocol.leases import (
     TaskResult,
     TrainerLeases,
     Verdict,
-    _domain,
     decode_message,
-    ms,
 )
+from swarm.protocol.leases.messages import LEASE_ID_LEN, ms, signing_domain
 from swarm.protocol.scheduling import SchedulingConfig
 
 SCENARIOS = ("baseline", "kill", "forgery", "partition", "restart", "stragglers")
@@ -503,7 +501,7 @@ def _add_attackers(world: _World) -> set[str]:
         else:
             impostor = replace(lease, signer=trainer_key)
             data = replace(impostor, signature=forger.ident.sign(
-                _domain("lease") + impostor.body())).encode()
+                signing_domain("lease") + impostor.body())).encode()
         world.send(forger.id, victim.id, data)
         world.sim.at(now + 1.0, forge)
 
