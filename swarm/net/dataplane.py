@@ -42,7 +42,6 @@ from swarm.net.handshake import (
     Session,
 )
 from swarm.net.queues import EventQueue, Inbox
-from swarm.net.scoring import PeerScores, ScoreConfig
 from swarm.net.transport import (
     Message,
     MessageTooLarge,
@@ -52,6 +51,7 @@ from swarm.net.transport import (
     PeerUnreachable,
     TransportClosed,
 )
+from swarm.protocol.scoring import PeerScores, ScoreConfig
 from swarm.wire.frames import FrameReader, encode_frame, encode_header
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ from typing import Self
 
 from swarm.identity import Identity
 from swarm.net.queues import EventQueue, Inbox
-from swarm.net.scoring import PeerScores, ScoreConfig
 from swarm.net.transport import (
     GossipMessage,
     Message,
@@ -39,6 +38,7 @@ from swarm.net.transport import (
     TransportClosed,
     Validator,
 )
+from swarm.protocol.scoring import PeerScores, ScoreConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""Sans-IO protocol cores: chunk exchange, piece picking, leases, scheduling."""
+"""Sans-IO protocol cores: chunk exchange, piece picking, leases, scheduling, peer scores."""

@@ -85,7 +85,7 @@ class LeaseState(enum.StrEnum):
     """Every task it still had was delivered first through a backup lease."""
 
 
-PENALTIES: Mapping[Reason, float] = {
+PENALTIES: Mapping[str, float] = {
     Reason.MALFORMED: 10.0,
     Reason.BAD_SIGNATURE: 10.0,
     Reason.FOREIGN_LEASE: 10.0,

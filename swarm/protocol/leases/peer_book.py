@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from swarm.errors import DecodeError, LocalProtocolError, SignatureError
 from swarm.identity import PUBLIC_KEY_LEN, Identity
 from swarm.protocol.leases.messages import (
+    PENALTIES,
     Claim,
     Heartbeat,
     Lease,
@@ -28,7 +29,7 @@ from swarm.protocol.leases.messages import (
     decode_message,
     ms,
 )
-from swarm.protocol.leases.trainer_book import PeerScores
+from swarm.protocol.scoring import ReasonScores
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class PeerLeases:
         self._max_held = max_held
         self._last_ms = -1
         self.held: dict[bytes, HeldLease] = {}
-        self.scores = PeerScores()
+        self.scores = ReasonScores(PENALTIES)
         self.verdicts: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
 
@@ -166,7 +167,7 @@ class PeerLeases:
     def _refuse(self, reason: Reason, blamed: str | None, detail: str) -> Reason:
         self.refused[reason.value] += 1
         if blamed is not None:
-            self.scores.record(blamed, reason)
+            self.scores.refuse(blamed, reason)
         logger.warning("peer %s refused input from %s: %s (%s)", self.peer_id,
                        blamed or "unknown", reason.value, detail)
         return reason

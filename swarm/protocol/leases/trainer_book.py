@@ -59,58 +59,9 @@ from swarm.protocol.scheduling import (
     plan_lease,
     staleness_headroom,
 )
+from swarm.protocol.scoring import ReasonScores
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PeerRecord:
-    """What one peer earned: its score and how many messages were refused, by reason."""
-
-    score: float = 0.0
-    accepted: int = 0
-    refused: Counter[str] = field(default_factory=Counter)
-
-
-class PeerScores:
-    """Score table: refusals cost :data:`PENALTIES`, accepted results earn ``reward``.
-
-    A peer at or below ``ban_below`` is banned (its claims are refused). One record per
-    peer that ever sent something; the population bounds it.
-    """
-
-    __slots__ = ("_ban_below", "_records", "_reward")
-
-    def __init__(self, *, ban_below: float = -20.0, reward: float = 1.0,
-                 cap: float = 20.0) -> None:
-        self._ban_below = ban_below
-        self._reward = (reward, cap)
-        self._records: dict[str, PeerRecord] = {}
-
-    def record(self, peer: str, reason: Reason) -> float:
-        """Count ``reason`` against (or for) ``peer``; returns the new score."""
-        rec = self._records.setdefault(peer, PeerRecord())
-        if reason is Reason.ACCEPTED:
-            reward, cap = self._reward
-            rec.accepted += 1
-            rec.score = min(cap, rec.score + reward)
-        else:
-            rec.refused[reason.value] += 1
-            rec.score -= PENALTIES.get(reason, 0.0)
-        return rec.score
-
-    def set_score(self, peer: str, score: float) -> None:
-        self._records.setdefault(peer, PeerRecord()).score = score
-
-    def score(self, peer: str) -> float:
-        rec = self._records.get(peer)
-        return rec.score if rec else 0.0
-
-    def banned(self, peer: str) -> bool:
-        return self.score(peer) <= self._ban_below
-
-    def table(self) -> dict[str, PeerRecord]:
-        return dict(self._records)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +200,7 @@ class TrainerLeases:
         self._next_task = snap.next_task_id
         self._lease_seq = snap.lease_seq
         self._speeds = SpeedTable(config.scheduling)
-        self._scores = PeerScores(ban_below=config.ban_below)
+        self._scores = ReasonScores(PENALTIES, ban_below=config.ban_below)
         for peer, score in snap.scores.items():
             self._scores.set_score(peer, score)
         self._last_claim: dict[str, int] = {}
@@ -295,7 +246,7 @@ class TrainerLeases:
         return self._latest
 
     @property
-    def scores(self) -> PeerScores:
+    def scores(self) -> ReasonScores:
         return self._scores
 
     @property
@@ -440,14 +391,14 @@ class TrainerLeases:
         logger.warning("refused message from %s: %s (%s)", sender or "unknown peer",
                        reason.value, detail)
         if sender is not None:
-            score = self._scores.record(sender, reason)
+            score = self._scores.refuse(sender, reason)
             self._store.commit([ScorePeer(sender, score)])
 
     def _count_refusal(self, reason: Reason, peer: str, subject: str, detail: str,
                        ops: list[StateOp]) -> None:
         self.stats.refused[reason.value] += 1
         if reason in PENALTIES:
-            ops.append(ScorePeer(peer, self._scores.record(peer, reason)))
+            ops.append(ScorePeer(peer, self._scores.refuse(peer, reason)))
             logger.warning("refused %s from %s: %s (%s)", subject, peer, reason.value, detail)
         else:
             logger.debug("refused %s from %s: %s (%s)", subject, peer, reason.value, detail)
@@ -608,7 +559,7 @@ class TrainerLeases:
             self._issues.pop(t, None)
         self._speeds.observe(peer, res.n_tokens, len(ids), now - rec.last_progress)
         rec.last_progress = now
-        ops.append(ScorePeer(peer, self._scores.record(peer, Reason.ACCEPTED)))
+        ops.append(ScorePeer(peer, self._scores.accept(peer)))
         self.stats.results_accepted += 1
         self.stats.tasks_completed += len(ids)
         self._fresh.append(Accepted(res.lease_id, peer, res.version, res.results))
