@@ -35,6 +35,7 @@ import trio
 
 from swarm.errors import DecodeError, LocalProtocolError, SignatureError
 from swarm.identity import Identity
+from swarm.net import libp2p_compat as compat
 from swarm.net import topics
 from swarm.net.addresses import parse_tcp_multiaddr
 from swarm.net.bridge import BridgeClosed, ServiceHandle, TrioGuest, trio_guest
@@ -134,23 +135,6 @@ class NodeConfig:
     scores: ScoreConfig = field(default_factory=ScoreConfig)
 
 
-class _DeepQueues(dict[Any, Any]):
-    """``Pubsub.peer_queues`` that deepens each per-peer outbound queue as it is added
-    (py-libp2p 0.8.1 has no setting for it: ``RpcQueue()`` holds 32 RPCs, then drops)."""
-
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        self.depth = depth
-
-    def __setitem__(self, key: Any, queue: Any) -> None:
-        inner = getattr(queue, "_queue", None)
-        if inner is not None and hasattr(inner, "max_size"):
-            inner.max_size = self.depth
-        else:
-            logger.warning("py-libp2p RpcQueue changed shape; outbound queue stays shallow")
-        super().__setitem__(key, queue)
-
-
 _UNSPECIFIED = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
@@ -160,10 +144,6 @@ def _listen_host(listen: str) -> str:
     if len(parts) >= 3 and parts[1] in ("ip4", "ip6") and parts[2]:
         return parts[2]
     return "127.0.0.1"
-
-
-def _peer_str(peer: Any) -> str:
-    return str(peer.to_base58())
 
 
 class _StreamSetupFailed(PeerUnreachable):
@@ -196,7 +176,7 @@ class _Libp2pSubscription:
         if self.validator is None:
             return True
         try:
-            source = _peer_str(_id_from_bytes(msg.from_id))
+            source = compat.peer_str(compat.id_from_bytes(msg.from_id))
             ok = bool(self.validator(source, bytes(msg.data)))
         except Exception:  # a validator that raises rejects the message
             logger.exception("gossip validator for %s raised", self._topic)
@@ -215,7 +195,7 @@ class _Libp2pSubscription:
             me = self.node.peer_id
             while True:
                 m = await sub.get()
-                source = _peer_str(_id_from_bytes(m.from_id))
+                source = compat.peer_str(compat.id_from_bytes(m.from_id))
                 if source == me:
                     continue
                 try:
@@ -266,18 +246,6 @@ class _Libp2pSubscription:
         await self.aclose()
 
 
-def _id_from_bytes(raw: bytes) -> Any:
-    from libp2p.peer.id import ID
-
-    return ID(raw)
-
-
-def _id_from_str(peer_id: str) -> Any:
-    from libp2p.peer.id import ID
-
-    return ID.from_base58(peer_id)
-
-
 class Libp2pNode:
     """A node: libp2p host, gossip, and messages over the data plane or libp2p streams.
 
@@ -304,7 +272,7 @@ class Libp2pNode:
         self._out_streams: dict[str, INetStream] = {}
         self._out_locks: dict[str, asyncio.Lock] = {}
         self._in_streams: dict[str, int] = {}
-        self._raw: dict[int, list[trio.SocketStream]] = {}
+        self._sockets = compat.SocketTracker()
         self._subs: dict[str, _Libp2pSubscription] = {}
         self._directory: dict[str, topics.PeerMetadata] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -371,46 +339,16 @@ class Libp2pNode:
         task.add_done_callback(self._tasks.discard)
 
     async def _host_main(self, ready: Any) -> None:
-        from libp2p import create_yamux_muxer_option, new_host
-        from libp2p.crypto.ed25519 import create_new_key_pair
-        from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
         from libp2p.custom_types import TProtocol
-        from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
-        from libp2p.pubsub.pubsub import Pubsub
-        from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
-        from libp2p.security.noise.transport import Transport as NoiseTransport
         from libp2p.tools.anyio_service.context import background_trio_service
         from multiaddr import Multiaddr
 
-        g = self.config.gossip
-        key_pair = create_new_key_pair(self.identity.seed)
-        # Noise and Yamux only: py-libp2p's defaults also accept plaintext (which lets a
-        # peer claim any id without proof), secio, TLS and mplex.
-        host = new_host(
-            key_pair=key_pair,
-            sec_opt={TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(
-                key_pair, noise_privkey=create_x25519_key_pair().private_key)},
-            muxer_opt=create_yamux_muxer_option(),
-        )
-        if _peer_str(host.get_id()) != self._peer_id:
+        host = compat.new_secure_host(self.identity.seed)
+        if compat.peer_str(host.get_id()) != self._peer_id:
             raise LocalProtocolError("libp2p derived a different peer id from the identity")
         try:
             async with host.run([Multiaddr(self.config.listen)]):
-                router = GossipSub(
-                    protocols=[PROTOCOL_ID_V11, PROTOCOL_ID], degree=g.degree,
-                    degree_low=g.degree_low, degree_high=g.degree_high,
-                    heartbeat_interval=g.heartbeat_interval, heartbeat_initial_delay=0.1,
-                    max_messages_per_topic_per_second=g.max_messages_per_topic_per_second,
-                )
-                pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=g.seen_ttl,
-                                max_inbound_rpc_size=g.max_message_bytes + (64 << 10))
-                pubsub.peer_queues = _DeepQueues(g.outbound_queue_depth)
-                # Message ids are (peer id, seqno) and py-libp2p starts seqnos at the Unix
-                # time in seconds, one per message: a node restarted with the same identity
-                # would reuse the seqnos of its last run's busy seconds, and its neighbours
-                # would drop those messages (new manifests) as seen. Nanoseconds, as
-                # go-libp2p does, stay ahead of any earlier run.
-                pubsub.counter = time.time_ns()
+                pubsub, router = compat.new_pubsub(host, self.config.gossip)
                 async with background_trio_service(pubsub), background_trio_service(router):
                     await pubsub.wait_until_ready()
                     host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
@@ -426,10 +364,7 @@ class Libp2pNode:
                         self._nursery = None
                         with trio.move_on_after(5) as scope:
                             scope.shield = True
-                            await _close_all_connections(host)
-                            leftovers = [st for streams in self._raw.values() for st in streams]
-                            self._raw.clear()
-                            await _close_socket_streams(leftovers)
+                            await compat.close_all_connections(host, self._sockets)
         finally:
             self._nursery = None
             self._pubsub = None
@@ -526,7 +461,7 @@ class Libp2pNode:
         except (BridgeClosed, TransportClosed):
             raise
         except Exception as exc:
-            if _is_security_failure(exc):
+            if compat.is_security_failure(exc):
                 raise PeerIdMismatch(
                     f"the node at {address} did not prove peer id {peer} (Noise handshake "
                     f"failed: wrong peer id in the address, or not a libp2p node)") from exc
@@ -538,27 +473,11 @@ class Libp2pNode:
         ``fresh``: close the peer's libp2p connections first; otherwise only ones that
         are all closed already (py-libp2p would reuse them and fail every stream).
         """
-        from libp2p.peer.peerinfo import info_from_p2p_addr
-        from multiaddr import Multiaddr
-
         host = self._host
         if host is None:
             raise TransportClosed("node is closed")
-        info = info_from_p2p_addr(Multiaddr(address))
-        network = cast("Any", host.get_network())
-        # py-libp2p refuses, for 60 s, to dial a peer whose addresses all failed once: a
-        # restarted trainer would stay unreachable that long after it listens again.
-        unblock = getattr(network, "unblock_peer", None)
-        if unblock is not None:
-            unblock(info.peer_id)
-        conns = list(network.get_connections(info.peer_id))
-        if conns and (fresh or all(c.is_closed for c in conns)):
-            raw = [st for c in conns for st in self._raw.pop(id(c), [])]
-            with trio.move_on_after(self.config.connect_timeout), \
-                    contextlib.suppress(Exception):
-                await network.close_peer(info.peer_id)
-            await _close_socket_streams(raw)
-        await host.connect(info)
+        await compat.dial(host, address, fresh=fresh, sockets=self._sockets,
+                          close_timeout=self.config.connect_timeout)
 
     async def _establish(self, peer: str, dialed_host: str, *, first: bool) -> None:
         """Pick the path to a libp2p-connected peer: data plane if possible, else streams.
@@ -577,7 +496,7 @@ class Libp2pNode:
             except (DecodeError, SignatureError) as exc:
                 logger.info("bad metadata from %s (%s); using libp2p streams", peer, exc)
             except Exception as exc:  # timeouts, libp2p stream errors
-                if not _is_refusal(exc):
+                if not compat.is_refusal(exc):
                     # No stream opens on this connection: a message stream would wait
                     # out its timeout too.
                     if peer in self._paths:  # its data plane dialed us meanwhile
@@ -603,7 +522,7 @@ class Libp2pNode:
         try:
             await self._open_out_stream(peer, timeout)
         except PeerUnreachable as exc:
-            if first and not _is_refusal(exc):
+            if first and not compat.is_refusal(exc):
                 raise _StreamSetupFailed(f"message stream: {exc}") from exc
             raise
         self._set_path(peer, Path.LIBP2P)
@@ -645,7 +564,7 @@ class Libp2pNode:
     async def _trio_disconnect(self, peer_id: str) -> None:
         self._out_streams.pop(peer_id, None)
         if self._host is not None:
-            await self._host.disconnect(_id_from_str(peer_id))
+            await self._host.disconnect(compat.id_from_str(peer_id))
 
     def penalize(self, peer_id: str, reason: str, *, disconnect: bool = True) -> None:
         self._scores.penalize(peer_id, reason)
@@ -666,7 +585,7 @@ class Libp2pNode:
             if self._nursery is not None:
                 self._nursery.start_soon(self._trio_disconnect, peer_id)
                 if banned and self._pubsub is not None:
-                    self._pubsub.add_to_blacklist(_id_from_str(peer_id))
+                    self._pubsub.add_to_blacklist(compat.id_from_str(peer_id))
 
         if self._guest is not None:
             with contextlib.suppress(BridgeClosed):
@@ -700,10 +619,8 @@ class Libp2pNode:
 
     def _on_libp2p_disconnected(self, peer: str) -> None:
         host = self._host
-        if host is not None:
-            conns = cast("Any", host.get_network()).get_connections(_id_from_str(peer))
-            if any(not c.is_closed for c in conns):
-                return
+        if host is not None and any(not c.is_closed for c in compat.connections(host, peer)):
+            return
         self._out_streams.pop(peer, None)
         self._drop_path(peer, Path.LIBP2P, "libp2p connection closed")
 
@@ -730,7 +647,7 @@ class Libp2pNode:
         if host is None:
             raise TransportClosed("node is closed")
         with trio.fail_after(self.config.connect_timeout if timeout is None else timeout):
-            return await host.new_stream(_id_from_str(peer), [TProtocol(protocol)])
+            return await host.new_stream(compat.id_from_str(peer), [TProtocol(protocol)])
 
     async def _send_libp2p(self, peer: str, payload: bytes) -> None:
         guest = self._check_open()
@@ -746,7 +663,7 @@ class Libp2pNode:
                 raise PeerUnreachable(f"message stream to {peer} failed: {exc}") from exc
 
     async def _msg_handler(self, stream: INetStream) -> None:
-        peer = _peer_str(stream.muxed_conn.peer_id)
+        peer = compat.peer_str(stream.muxed_conn.peer_id)
         count = self._in_streams.get(peer, 0)
         if self._scores.is_banned(peer) or count >= self.config.max_streams_per_peer:
             reason = "banned" if self._scores.is_banned(peer) else "too many streams"
@@ -933,78 +850,6 @@ class Libp2pNode:
             await asyncio.sleep(0.05)
 
 
-async def _close_all_connections(host: IHost) -> None:
-    """Close every libp2p connection."""
-    for peer in list(host.get_connected_peers()):
-        with contextlib.suppress(Exception):
-            await host.disconnect(peer)
-
-
-_SOCKET_PATH = ("muxed_conn", "secured_conn", "conn", "stream", "read_write_closer",
-                "raw_conn", "_stream")
-
-
-def _socket_streams(conn: Any) -> list[trio.SocketStream]:
-    """The trio socket streams under a libp2p connection (muxer -> Noise -> raw TCP)."""
-    found: list[trio.SocketStream] = []
-    todo: list[tuple[Any, int]] = [(conn, 0)]
-    seen: set[int] = set()
-    while todo:
-        obj, depth = todo.pop()
-        if id(obj) in seen or depth > 8:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, trio.SocketStream):
-            found.append(obj)
-            continue
-        for name in _SOCKET_PATH:
-            child = getattr(obj, name, None)
-            if child is not None:
-                todo.append((child, depth + 1))
-    return found
-
-
-async def _close_socket_streams(streams: list[trio.SocketStream]) -> None:
-    """py-libp2p 0.8.1 drops dialed TCP sockets without closing them (they linger in
-    CLOSE_WAIT until garbage collection, with a ResourceWarning): close them here."""
-    for st in streams:
-        if st.socket.fileno() >= 0:
-            with contextlib.suppress(Exception):
-                await st.aclose()
-
-
-def _is_security_failure(exc: BaseException) -> bool:
-    return _mentions(exc, ("security", "handshake", "peer id"))
-
-
-def _is_refusal(exc: BaseException) -> bool:
-    """The peer answered that it does not serve the protocol (a live connection)."""
-    return _mentions(exc, ("not supported",))
-
-
-def _mentions(exc: BaseException, words: tuple[str, ...]) -> bool:
-    """Whether ``exc``, its causes or grouped errors name any of ``words``."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        text = f"{type(e).__name__} {e}".lower()
-        if any(w in text for w in words):
-            return True
-        for nxt in (e.__cause__, e.__context__):
-            if nxt is not None:
-                todo.append(nxt)
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        errs = getattr(e, "errors", None)
-        if isinstance(errs, list):
-            todo.extend(x for x in errs if isinstance(x, BaseException))
-    return False
-
-
 class _Notifee:
     """libp2p network notifications: gate banned peers, track lost connections."""
 
@@ -1018,15 +863,15 @@ class _Notifee:
         return None
 
     async def connected(self, network: Any, conn: INetConn) -> None:
-        self.node._raw[id(conn)] = _socket_streams(conn)
-        peer = _peer_str(conn.muxed_conn.peer_id)
+        self.node._sockets.opened(conn)
+        peer = compat.peer_str(conn.muxed_conn.peer_id)
         if self.node._scores.is_banned(peer):
             logger.info("refusing banned peer %s", peer)
             self.node._hang_up(peer, "banned")
 
     async def disconnected(self, network: Any, conn: INetConn) -> None:
-        await _close_socket_streams(self.node._raw.pop(id(conn), []))
-        self.node._on_libp2p_disconnected(_peer_str(conn.muxed_conn.peer_id))
+        await self.node._sockets.closed(conn)
+        self.node._on_libp2p_disconnected(compat.peer_str(conn.muxed_conn.peer_id))
 
     async def listen(self, network: Any, multiaddr: Any) -> None:
         return None
