@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from libp2p.pubsub.gossipsub import GossipSub
     from libp2p.pubsub.pubsub import Pubsub
 
-    from swarm.net.node import GossipConfig
+    from swarm.net.gossip import GossipConfig
 
 logger = logging.getLogger(__name__)
 

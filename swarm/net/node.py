@@ -4,7 +4,10 @@
 :class:`~swarm.net.transport.Gossip`. It runs a py-libp2p host (TCP + Noise + Yamux,
 identify, ping, gossipsub with strict signing) inside the asyncio program through the
 trio guest run of :mod:`swarm.net.bridge`. Its libp2p key is the node's
-:class:`~swarm.identity.Identity`, so its peer id is the identity's peer id.
+:class:`~swarm.identity.Identity`, so its peer id is the identity's peer id. The node
+composes its parts: gossip (:mod:`swarm.net.gossip`), the peer directory
+(:mod:`swarm.net.directory`), the data plane (:mod:`swarm.net.dataplane`); the
+py-libp2p workarounds are in :mod:`swarm.net.libp2p_compat`.
 
 Connecting to ``/ip4/A/tcp/P/p2p/<id>``: dial libp2p (Noise proves the id; a mismatch
 raises :class:`~swarm.net.transport.PeerIdMismatch`), ask the peer for its signed
@@ -26,7 +29,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, cast
@@ -38,13 +40,14 @@ from swarm.identity import Identity
 from swarm.net import libp2p_compat as compat
 from swarm.net import topics
 from swarm.net.addresses import parse_tcp_multiaddr
-from swarm.net.bridge import BridgeClosed, ServiceHandle, TrioGuest, trio_guest
+from swarm.net.bridge import BridgeClosed, TrioGuest, trio_guest
 from swarm.net.dataplane import DataPlane, DataPlaneConfig
+from swarm.net.directory import META_PROTOCOL, PeerDirectory, read_metadata
+from swarm.net.gossip import GossipConfig, Libp2pGossip, Libp2pSubscription
 from swarm.net.logs import route_libp2p_logging
 from swarm.net.queues import EventQueue, Inbox
 from swarm.net.scoring import PeerScores, ScoreConfig
 from swarm.net.transport import (
-    GossipMessage,
     Message,
     MessageTooLarge,
     Path,
@@ -58,37 +61,10 @@ from swarm.wire.frames import FrameReader, encode_header
 
 if TYPE_CHECKING:
     from libp2p.abc import IHost, INetConn, INetStream, INotifee
-    from libp2p.pubsub.pubsub import Pubsub
 
 logger = logging.getLogger(__name__)
 
 MSG_PROTOCOL = "/swarm/msg/1.0.0"
-META_PROTOCOL = "/swarm/meta/1.0.0"
-MAX_META_BYTES = 4096
-#: Peers remembered from the peers topic (metadata of newcomers beyond it is ignored).
-MAX_DIRECTORY = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class GossipConfig:
-    """gossipsub settings (py-libp2p's defaults drop bursts: 10 msg/s/topic/peer)."""
-
-    #: Mesh degree and its bounds.
-    degree: int = 6
-    degree_low: int = 4
-    degree_high: int = 12
-    #: Seconds between gossipsub heartbeats (mesh maintenance, gossip emission).
-    heartbeat_interval: int = 1
-    #: Messages per second per topic per peer before spam protection drops them.
-    max_messages_per_topic_per_second: float = 1000.0
-    #: The largest gossip payload published or accepted.
-    max_message_bytes: int = topics.MAX_GOSSIP_BYTES
-    #: RPCs queued per peer for sending; py-libp2p's default of 32 silently drops bursts.
-    outbound_queue_depth: int = 4096
-    #: Validated messages queued per subscription; beyond it the newest are dropped.
-    queue_depth: int = 1024
-    #: Seconds a message id is remembered (duplicates dropped).
-    seen_ttl: int = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,101 +127,6 @@ class _StreamSetupFailed(PeerUnreachable):
     starting): :meth:`Libp2pNode.connect` closes that peer's connections and redials once."""
 
 
-class _Libp2pSubscription:
-    """One gossip topic's validated messages; stops its pump on exit."""
-
-    def __init__(self, node: Libp2pNode, topic: str, validator: Validator | None) -> None:
-        self.node = node
-        self._topic = topic
-        self.validator = validator
-        self.queue: asyncio.Queue[GossipMessage] = asyncio.Queue(node.config.gossip.queue_depth)
-        self.dropped = 0
-        self.rejected = 0
-        self.handle: ServiceHandle | None = None
-        self.closed = False
-        self._closed_event = asyncio.Event()
-
-    @property
-    def topic(self) -> str:
-        return self._topic
-
-    def _validate(self, forwarder: Any, msg: Any) -> bool:
-        if len(msg.data) > self.node.config.gossip.max_message_bytes:
-            self.rejected += 1
-            return False
-        if self.validator is None:
-            return True
-        try:
-            source = compat.peer_str(compat.id_from_bytes(msg.from_id))
-            ok = bool(self.validator(source, bytes(msg.data)))
-        except Exception:  # a validator that raises rejects the message
-            logger.exception("gossip validator for %s raised", self._topic)
-            ok = False
-        if not ok:
-            self.rejected += 1
-        return ok
-
-    async def _pump(self, ready: Any) -> None:
-        pubsub = self.node._pubsub
-        assert pubsub is not None
-        pubsub.set_topic_validator(self._topic, self._validate, False)
-        sub = await pubsub.subscribe(self._topic)
-        try:
-            ready()
-            me = self.node.peer_id
-            while True:
-                m = await sub.get()
-                source = compat.peer_str(compat.id_from_bytes(m.from_id))
-                if source == me:
-                    continue
-                try:
-                    self.queue.put_nowait(GossipMessage(self._topic, source, bytes(m.data)))
-                except asyncio.QueueFull:
-                    self.dropped += 1
-                    logger.warning("gossip queue for %s full (%d); dropped a message",
-                                   self._topic, self.queue.maxsize)
-        finally:
-            with trio.move_on_after(2) as scope, contextlib.suppress(Exception):
-                scope.shield = True
-                await pubsub.unsubscribe(self._topic)
-            pubsub.remove_topic_validator(self._topic)
-
-    async def get(self) -> GossipMessage:
-        if self.closed and self.queue.empty():
-            raise TransportClosed("subscription closed")
-        getter = asyncio.ensure_future(self.queue.get())
-        closer = asyncio.ensure_future(self._closed_event.wait())
-        try:
-            await asyncio.wait({getter, closer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            closer.cancel()
-            if not getter.done():
-                getter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await closer
-        if getter.done() and not getter.cancelled():
-            return getter.result()
-        with contextlib.suppress(asyncio.CancelledError):
-            await getter
-        raise TransportClosed("subscription closed")
-
-    async def aclose(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._closed_event.set()
-        self.node._subs.pop(self._topic, None)
-        if self.handle is not None:
-            await self.handle.stop()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.aclose()
-
-
 class Libp2pNode:
     """A node: libp2p host, gossip, and messages over the data plane or libp2p streams.
 
@@ -265,7 +146,6 @@ class Libp2pNode:
         self._stack = contextlib.AsyncExitStack()
         self._guest: TrioGuest | None = None
         self._host: IHost | None = None
-        self._pubsub: Pubsub | None = None
         self._nursery: trio.Nursery | None = None
         self.plane: DataPlane | None = None
         self._paths: dict[str, Path] = {}
@@ -273,12 +153,11 @@ class Libp2pNode:
         self._out_locks: dict[str, asyncio.Lock] = {}
         self._in_streams: dict[str, int] = {}
         self._sockets = compat.SocketTracker()
-        self._subs: dict[str, _Libp2pSubscription] = {}
-        self._directory: dict[str, topics.PeerMetadata] = {}
+        self._gossip = Libp2pGossip(self.config.gossip, self._peer_id, self._check_open)
+        self._directory = PeerDirectory(
+            identity, region=self.config.region, advertise=self.config.data_plane_advertise,
+            addresses=lambda: self.listen_addresses, data_address=lambda: self.data_address)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._meta_bytes = b""
-        self._region = self.config.region
-        self._bandwidth = 0
         self._entered = False
         self._closed = False
 
@@ -303,7 +182,7 @@ class Libp2pNode:
             async with asyncio.timeout(self.config.connect_timeout):
                 await asyncio.shield(ready)
             self._stack.push_async_callback(self._stop_tasks)
-            self._meta_bytes = self._signed_metadata(META_PROTOCOL)
+            self._directory.seal()
             if self.config.run is not None:
                 await self._join_run(self.config.run)
             await self._bootstrap()
@@ -320,8 +199,7 @@ class Libp2pNode:
         if self._closed:
             return
         self._closed = True
-        for sub in list(self._subs.values()):
-            await sub.aclose()
+        await self._gossip.aclose()
         await self._stack.aclose()
         self._inbox.close()
         self._events.close()
@@ -340,34 +218,29 @@ class Libp2pNode:
 
     async def _host_main(self, ready: Any) -> None:
         from libp2p.custom_types import TProtocol
-        from libp2p.tools.anyio_service.context import background_trio_service
         from multiaddr import Multiaddr
 
         host = compat.new_secure_host(self.identity.seed)
         if compat.peer_str(host.get_id()) != self._peer_id:
             raise LocalProtocolError("libp2p derived a different peer id from the identity")
         try:
-            async with host.run([Multiaddr(self.config.listen)]):
-                pubsub, router = compat.new_pubsub(host, self.config.gossip)
-                async with background_trio_service(pubsub), background_trio_service(router):
-                    await pubsub.wait_until_ready()
-                    host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
-                    host.set_stream_handler(TProtocol(META_PROTOCOL), self._meta_handler)
-                    host.get_network().register_notifee(cast("INotifee", _Notifee(self)))
-                    self._host, self._pubsub = host, pubsub
-                    try:
-                        async with trio.open_nursery() as nursery:
-                            self._nursery = nursery
-                            ready()
-                            await trio.sleep_forever()
-                    finally:
-                        self._nursery = None
-                        with trio.move_on_after(5) as scope:
-                            scope.shield = True
-                            await compat.close_all_connections(host, self._sockets)
+            async with host.run([Multiaddr(self.config.listen)]), self._gossip.running(host):
+                host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
+                host.set_stream_handler(TProtocol(META_PROTOCOL), self._directory.serve)
+                host.get_network().register_notifee(cast("INotifee", _Notifee(self)))
+                self._host = host
+                try:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        ready()
+                        await trio.sleep_forever()
+                finally:
+                    self._nursery = None
+                    with trio.move_on_after(5) as scope:
+                        scope.shield = True
+                        await compat.close_all_connections(host, self._sockets)
         finally:
             self._nursery = None
-            self._pubsub = None
             self._host = None
             with trio.move_on_after(5) as scope, contextlib.suppress(Exception):
                 scope.shield = True
@@ -584,8 +457,8 @@ class Libp2pNode:
         def in_trio() -> None:
             if self._nursery is not None:
                 self._nursery.start_soon(self._trio_disconnect, peer_id)
-                if banned and self._pubsub is not None:
-                    self._pubsub.add_to_blacklist(compat.id_from_str(peer_id))
+                if banned:
+                    self._gossip.blacklist(peer_id)
 
         if self._guest is not None:
             with contextlib.suppress(BridgeClosed):
@@ -720,134 +593,45 @@ class Libp2pNode:
         self._scores.penalize(peer, reason)
         self._hang_up(peer, reason)
 
-    # -- metadata --------------------------------------------------------------------
-    def _metadata(self) -> topics.PeerMetadata:
-        data = self.config.data_plane_advertise
-        if not data and self.plane is not None and self.plane.address is not None:
-            data = f"{self.plane.address[0]}:{self.plane.address[1]}"
-        return topics.PeerMetadata(self.listen_addresses, data, self._region, self._bandwidth,
-                                   int(time.time() * 1000))
-
+    # -- peer directory --------------------------------------------------------------
     def update_metadata(self, *, bandwidth: int | None = None, region: str | None = None
                         ) -> None:
         """Change what this node says about itself (measured uplink in bytes per second,
         region label); published with the next metadata round and served on request."""
-        if bandwidth is not None:
-            if not 0 <= bandwidth < 1 << 62:
-                raise ValueError("bandwidth out of range")
-            self._bandwidth = bandwidth
-        if region is not None:
-            if len(region) > 64:
-                raise ValueError("region labels are at most 64 characters")
-            self._region = region
+        self._directory.update(bandwidth=bandwidth, region=region)
         if self._host is not None:
-            self._meta_bytes = self._signed_metadata(META_PROTOCOL)
-
-    def _signed_metadata(self, topic: str) -> bytes:
-        return topics.SignedEnvelope.seal(self.identity, topic, self._metadata().encode()
-                                          ).encode()
-
-    async def _meta_handler(self, stream: INetStream) -> None:
-        with contextlib.suppress(Exception):
-            await stream.write(self._meta_bytes)
-        with contextlib.suppress(Exception):
-            await stream.close()
+            self._directory.seal()
 
     async def _fetch_meta(self, peer: str, timeout: float) -> topics.PeerMetadata:
         stream = await self._trio_new_stream(peer, META_PROTOCOL, timeout)
-        buf = bytearray()
-        try:
-            with trio.fail_after(timeout):
-                while len(buf) <= MAX_META_BYTES:
-                    try:
-                        chunk = await stream.read(MAX_META_BYTES + 1 - len(buf))
-                    except Exception:  # EOF
-                        break
-                    if not chunk:
-                        break
-                    buf += chunk
-        finally:
-            with contextlib.suppress(Exception):
-                await stream.close()
-        env = topics.SignedEnvelope.open(META_PROTOCOL, bytes(buf), max_bytes=MAX_META_BYTES)
-        if env.signer_peer_id != peer:
-            raise SignatureError(f"metadata of {peer} signed by {env.signer_peer_id}")
-        return topics.PeerMetadata.decode(env.body)
+        return await read_metadata(stream, peer, timeout)
 
     def directory(self) -> dict[str, topics.PeerMetadata]:
         """Peers learned from the run's peers topic (latest metadata of each)."""
-        return dict(self._directory)
+        return self._directory.peers()
 
     async def _join_run(self, run: str) -> None:
         topic = topics.peers(run)
         sub = await self.subscribe(topic, topics.peer_metadata_validator(topic))
-        self._spawn(self._collect_metadata(sub), "peer metadata collector")
-        self._spawn(self._publish_metadata(topic), "peer metadata publisher")
-
-    async def _collect_metadata(self, sub: _Libp2pSubscription) -> None:
-        while True:
-            try:
-                msg = await sub.get()
-            except TransportClosed:
-                return
-            env = topics.SignedEnvelope.open(sub.topic, msg.data)
-            meta = topics.PeerMetadata.decode(env.body)
-            old = self._directory.get(msg.source)
-            fresh = old is None or old.time_ms <= meta.time_ms
-            if fresh and (old is not None or len(self._directory) < MAX_DIRECTORY):
-                self._directory[msg.source] = meta
-
-    async def _publish_metadata(self, topic: str) -> None:
-        while True:
-            try:
-                await self.publish(topic, self._signed_metadata(topic))
-            except (TransportClosed, BridgeClosed):
-                return
-            except Exception as exc:
-                logger.info("publishing metadata failed: %r", exc)
-            await asyncio.sleep(self.config.metadata_interval)
+        self._spawn(self._directory.collect(sub), "peer metadata collector")
+        self._spawn(self._directory.publish_every(self.publish, topic,
+                                                  self.config.metadata_interval),
+                    "peer metadata publisher")
 
     # -- Gossip ------------------------------------------------------------------------
     async def publish(self, topic: str, data: bytes) -> None:
-        guest = self._check_open()
-        if len(data) > self.config.gossip.max_message_bytes:
-            raise MessageTooLarge(f"{len(data)} bytes is over the gossip bound "
-                                  f"{self.config.gossip.max_message_bytes}")
-        pubsub = self._pubsub
-        assert pubsub is not None
-        await guest.run(pubsub.publish, topic, bytes(data))
+        await self._gossip.publish(topic, data)
 
     async def subscribe(self, topic: str, validator: Validator | None = None
-                        ) -> _Libp2pSubscription:
-        guest = self._check_open()
-        if topic in self._subs:
-            raise LocalProtocolError(f"already subscribed to {topic}")
-        sub = _Libp2pSubscription(self, topic, validator)
-        self._subs[topic] = sub
-        handle, ready = guest.start_service(sub._pump, f"gossip {topic}")
-        sub.handle = handle
-        try:
-            await asyncio.shield(ready)
-        except BaseException:
-            await sub.aclose()
-            raise
-        return sub
+                        ) -> Libp2pSubscription:
+        return await self._gossip.subscribe(topic, validator)
 
     async def wait_for_mesh(self, topic: str, peers: int, timeout: float = 10.0) -> None:
         """Wait until ``peers`` peers are known subscribed to ``topic`` (tests, start-up).
 
         :raises TimeoutError: not within ``timeout`` seconds.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            pubsub = self._pubsub
-            have = len(pubsub.peer_topics.get(topic, ())) if pubsub is not None else 0
-            if have >= peers:
-                return
-            if loop.time() > deadline:
-                raise TimeoutError(f"{topic}: {have} of {peers} peers after {timeout} s")
-            await asyncio.sleep(0.05)
+        await self._gossip.wait_for_mesh(topic, peers, timeout)
 
 
 class _Notifee:
