@@ -23,7 +23,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from swarm.identity import Identity
 from swarm.net.queues import EventQueue, Inbox
@@ -39,6 +39,9 @@ from swarm.net.transport import (
     Validator,
 )
 from swarm.protocol.scoring import PeerScores, ScoreConfig
+
+if TYPE_CHECKING:
+    from swarm.net.topics import PeerMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -413,3 +416,7 @@ class MemoryTransport:
         sub = _MemorySubscription(self, topic, validator)
         self._subs.setdefault(topic, set()).add(sub)
         return sub
+
+    def directory(self) -> dict[str, PeerMetadata]:
+        """No peers: the in-memory network publishes no peer metadata."""
+        return {}

@@ -5,19 +5,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from swarm.net.transport import Gossip, PeerEvent, Transport, TransportClosed
 from swarm.protocol.exchange import Event, Exchange, ExchangeConfig
 from swarm.roles.exchange_driver import ExchangeDriver
 from swarm.roles.mux import Mux
 
+if TYPE_CHECKING:
+    from swarm.net.topics import PeerMetadata
+
 log = logging.getLogger(__name__)
 
 
 class Network(Transport, Gossip, Protocol):
     """A transport that also gossips (the libp2p node, the in-memory network)."""
+
+    def directory(self) -> Mapping[str, PeerMetadata]:
+        """Peers learned from the run's peers topic (latest metadata of each)."""
+        ...
 
 
 class NodeBase:

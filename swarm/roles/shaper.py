@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 from swarm.net.transport import (
     Message,
@@ -24,6 +24,9 @@ from swarm.net.transport import (
     Validator,
 )
 from swarm.roles.common import Network
+
+if TYPE_CHECKING:
+    from swarm.net.topics import PeerMetadata
 
 MAX_QUEUED_PER_PEER = 64
 
@@ -153,6 +156,5 @@ class ShapedNetwork:
     async def subscribe(self, topic: str, validator: Validator | None = None) -> Subscription:
         return await self.inner.subscribe(topic, validator)
 
-    def directory(self) -> dict[str, object]:
-        directory = getattr(self.inner, "directory", None)
-        return {} if directory is None else dict(directory())
+    def directory(self) -> Mapping[str, PeerMetadata]:
+        return self.inner.directory()
