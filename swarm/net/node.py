@@ -46,7 +46,6 @@ from swarm.net.directory import META_PROTOCOL, PeerDirectory, read_metadata
 from swarm.net.gossip import GossipConfig, Libp2pGossip, Libp2pSubscription
 from swarm.net.logs import route_libp2p_logging
 from swarm.net.queues import EventQueue, Inbox
-from swarm.net.scoring import PeerScores, ScoreConfig
 from swarm.net.transport import (
     Message,
     MessageTooLarge,
@@ -57,6 +56,7 @@ from swarm.net.transport import (
     TransportClosed,
     Validator,
 )
+from swarm.protocol.scoring import PeerScores, ScoreConfig
 from swarm.wire.frames import FrameReader, encode_header
 
 if TYPE_CHECKING:
