@@ -480,3 +480,34 @@ def test_a_neighbour_cannot_make_us_track_unbounded_unknown_objects() -> None:
     core.add_object(spec, 0.0)
     core.receive_bytes("them", encode(Have(spec.obj, 1)), 0.0)
     assert 1 in core._peers["them"].haves[spec.obj]
+
+
+def test_a_neighbour_that_refuses_an_announced_chunk_is_not_asked_again() -> None:
+    """A peer that withdrew an object (it patched the state its keyframe views) rejects
+    requests for chunks it announced; the leech then takes them from the trainer instead
+    of asking the same neighbour for ever."""
+    spec, chunks = make_object(4)
+    net = Net()
+    trainer = net.add(Exchange("trainer", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    other = net.add(Exchange("other", seed=2, config=ExchangeConfig(unchoke_all=True)))
+    me = net.add(Exchange("me", seed=3, config=ExchangeConfig(last_resort_delay=0.5)))
+    for core in (trainer, other):
+        core.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me.add_object(spec, 0.0)
+    net.link("me", "trainer", 0.0, trainer_b=True)
+    net.link("me", "other", 0.0)
+    other.remove_object(spec.obj)  # after it announced every chunk to me
+    now = 0.0
+    for _ in range(50):
+        net.run(now)
+        if me.is_complete(spec.obj):
+            break
+        t = me.next_timer()
+        assert t is not None
+        now = max(t, now + 0.01)
+        me.handle_timer(now)
+    assert me.is_complete(spec.obj) and now < 5.0
+    assert [me.chunk(spec.obj, i) for i in range(4)] == chunks
+    asked_other = [m for s, d, m in net.sent if s == "me" and d == "other"
+                   and isinstance(m, Request)]
+    assert len(asked_other) <= 4  # each chunk asked of it once at most

@@ -593,6 +593,8 @@ class Exchange:
                 o = self._objects.get(msg.obj)
                 if o is not None:
                     self._drop_inflight(o, msg.index, p.peer)
+                    if not p.trainer:
+                        self._drop_holder(o, msg.index, p)
                 self._pick(now)
         elif isinstance(msg, Suggest):
             o = self._objects.get(msg.obj)
@@ -726,6 +728,22 @@ class Exchange:
         if not p.trainer:
             o.first_seen.setdefault(idx, now)
             o.last_progress = now
+
+    def _drop_holder(self, o: _Obj, idx: int, p: _Peer) -> None:
+        """``p`` refused a chunk it announced (it dropped the object, say: a peer stops
+        serving a keyframe of its state before patching it): ask others, or the trainer,
+        until ``p`` announces the chunk again. Without this a peer kept asking a neighbour
+        that refuses, and never the trainer, while that neighbour counted as a holder."""
+        if p.peer not in o.holders[idx]:
+            return
+        o.holders[idx].discard(p.peer)
+        o.availability[idx] -= 1
+        if self._is_local(p):
+            o.local[idx] -= 1
+        theirs = p.haves.get(o.spec.obj)
+        if theirs is not None:
+            theirs.discard(idx)
+        o.ranks.pop(idx, None)
 
     def _is_local(self, p: _Peer) -> bool:
         return p.region == self.region and not p.trainer
