@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.demo.grpo import (
-    Completion,
     DemoConfig,
+    Rollout,
     derive_seed,
     generate,
     group_advantages,
@@ -180,7 +180,7 @@ def test_completions_cross_the_wire_unchanged() -> None:
     groups = generate(model, SortTask().prompts(2, 2), 3, seed=0, max_new_tokens=3)
     for comp in (c for g in groups for c in g):
         data = pack(comp.to_obj())
-        back = Completion.from_obj(unpack(data, max_bytes=1 << 16),
+        back = Rollout.from_obj(unpack(data, max_bytes=1 << 16),
                                    vocab_size=SMALL.vocab_size)
         assert back == comp
 
@@ -204,7 +204,7 @@ def test_completions_cross_the_wire_unchanged() -> None:
 ])
 def test_hostile_completions_are_rejected(obj: object) -> None:
     with pytest.raises(DecodeError):
-        Completion.from_obj(obj, vocab_size=32)
+        Rollout.from_obj(obj, vocab_size=32)
 
 
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
@@ -214,7 +214,7 @@ def test_hostile_completions_are_rejected(obj: object) -> None:
 @settings(max_examples=200, deadline=None)
 def test_completion_decoder_never_crashes(obj: object) -> None:
     try:
-        comp = Completion.from_obj(obj, vocab_size=32)
+        comp = Rollout.from_obj(obj, vocab_size=32)
     except DecodeError:
         return
     assert len(comp.tokens) == len(comp.logprobs)

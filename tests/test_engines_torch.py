@@ -253,6 +253,18 @@ def test_sampling_and_completion_validate() -> None:
         Completion((1, 2), (0.0,), "length")
 
 
+def test_engine_speaks_the_lease_types(engine: TorchEngine) -> None:
+    from swarm.protocol import leases
+
+    assert Sampling is leases.Sampling and Completion is leases.Completion
+    greedy = engine.generate(PROMPTS[:1], GREEDY)[0]
+    outs = engine.generate(PROMPTS[:2], Sampling(max_tokens=12, temperature=0,
+                                                 stop_token_ids=(greedy.token_ids[2],)))
+    assert outs[0].finish_reason == "stop"
+    row = leases.TaskResult(3, tuple(outs))  # what a peer signs, unconverted
+    assert leases.TaskResult.from_wire(row.to_wire()) == row
+
+
 def test_digests_bind_dtype_shape_and_bytes() -> None:
     t = torch.arange(12, dtype=torch.float32)
     d = digest_of(t)

@@ -23,7 +23,7 @@ from swarm.protocol.leases import (
     Reason,
     Result,
     RolloutTask,
-    SamplingParams,
+    Sampling,
     TaskResult,
     TrainerLeases,
     Verdict,
@@ -49,7 +49,7 @@ def make_trainer(n_tasks: int = 20, *, k: int = 1, grace: float = 2.0,
     t = TrainerLeases(TRAINER, cfg, store=store)
     t.publish_version(0, 0.0)
     t.add_tasks([(f"p{i}", [i, 1, 2]) for i in range(n_tasks)], group_size=2,
-                sampling=SamplingParams(max_new_tokens=10))
+                sampling=Sampling(max_tokens=10))
     return t
 
 
@@ -180,9 +180,44 @@ def test_decoder_bounds_and_strictness() -> None:
     with pytest.raises(DecodeError):
         decode_message(noncanon)
     with pytest.raises(DecodeError):  # token bytes not a multiple of 4
-        Completion.from_wire([b"abc", b""])
+        Completion.from_wire([b"abc", b"", "stop"])
     with pytest.raises(DecodeError):  # NaN log-prob
-        Completion.from_wire([b"\0" * 4, b"\0\0\0\0\0\0\xf8\x7f"])
+        Completion.from_wire([b"\0" * 4, b"\0\0\0\0\0\0\xf8\x7f", "stop"])
+    with pytest.raises(DecodeError):  # no finish reason
+        Completion.from_wire([b"\0" * 4, b"\0" * 8])
+    for reason in ("eos", ["stop"], None):  # unknown or unhashable
+        with pytest.raises(DecodeError):
+            Completion.from_wire([b"\0" * 4, b"\0" * 8, reason])
+    one = Completion((7,), (-0.5,), "stop")
+    assert Completion.from_wire(one.to_wire()) == one
+
+
+def test_sampling_reaches_the_peer_whole_and_is_bounded() -> None:
+    full = Sampling(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, seed=123,
+                    stop_token_ids=(2, 151645))
+    t = TrainerLeases(TRAINER, LeaseConfig(run=RUN, scheduling=SCHED))
+    t.publish_version(0, 0.0)
+    t.add_tasks([("p", [1, 2, 3])], sampling=full)
+    lease = get_lease(t, peer(ALICE), ALICE, 1.0)
+    got = decode_message(lease.encode())
+    assert isinstance(got, Lease) and got.tasks[0].sampling == full
+    assert Sampling.from_wire(Sampling().to_wire()) == Sampling()  # seed None travels too
+    assert Sampling(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)  # type: ignore[arg-type]
+    for bad in ({"max_tokens": 0}, {"max_tokens": 1 << 20}, {"max_tokens": True},
+                {"temperature": -1.0}, {"temperature": math.inf}, {"top_p": 0.0},
+                {"top_p": 1.5}, {"top_k": -1}, {"seed": -1}, {"seed": 1 << 63},
+                {"stop_token_ids": (-1,)}, {"stop_token_ids": (1 << 32,)},
+                {"stop_token_ids": tuple(range(257))}):
+        with pytest.raises(ValueError):
+            Sampling(**bad)  # type: ignore[arg-type]
+    wire = full.to_wire()
+    for key, value in (("max", 0), ("temp", 1), ("temp", math.nan), ("top_p", 0.0),
+                       ("top_k", -1), ("top_k", 1.0), ("seed", "1"), ("seed", -1),
+                       ("stop", b"abc"), ("stop", [2]), ("stop", b"\0" * 4 * 257)):
+        with pytest.raises(DecodeError):
+            Sampling.from_wire({**wire, key: value})
+    with pytest.raises(DecodeError):
+        Sampling.from_wire({**wire, "extra": 1})
 
 
 def test_unsigned_message_cannot_be_encoded() -> None:
@@ -715,7 +750,7 @@ def test_large_result_round_trips_and_counts() -> None:
     """64 tasks x 8 completions x 512 tokens (262,144 tokens, ~3 MB) in one signed result."""
     import time
 
-    sampling = SamplingParams(max_new_tokens=512)
+    sampling = Sampling(max_tokens=512)
     t = TrainerLeases(TRAINER, LeaseConfig(run=RUN, scheduling=SchedulingConfig(
         max_tasks=64, target_lease_s=1e6)))
     t.add_tasks([(f"p{i}", list(range(100))) for i in range(64)], group_size=8,

@@ -30,7 +30,7 @@ from swarm.protocol.leases import (
     PeerLeases,
     Reason,
     Result,
-    SamplingParams,
+    Sampling,
     TaskResult,
     TrainerLeases,
     Verdict,
@@ -100,7 +100,7 @@ def child_main(data_dir: str) -> int:
             trainer = TrainerLeases(ident, config(), store=state, now=now)
             trainer.publish_version(0, now)
             trainer.add_tasks([(f"prompt-{i}", [i, 1]) for i in range(start[2])],
-                              group_size=2, sampling=SamplingParams(max_new_tokens=16))
+                              group_size=2, sampling=Sampling(max_tokens=16))
         else:
             trainer = TrainerLeases.restore(ident, config(), state, now)
         write_frame(fout, ["ready", fresh, len(trainer.done)])

@@ -20,7 +20,7 @@ from swarm.protocol.leases import (
     PeerLeases,
     Reason,
     Result,
-    SamplingParams,
+    Sampling,
     StateOp,
     TaskResult,
     TrainerLeases,
@@ -93,7 +93,7 @@ def test_sqlite_snapshot_matches_memory_store(tmp_path: Path) -> None:
         trainer = TrainerLeases(TRAINER, CFG, store=Tee(mem, db))
         trainer.publish_version(0, 0.0)
         trainer.add_tasks([(f"q{i}", [i]) for i in range(40)], group_size=2,
-                          sampling=SamplingParams(max_new_tokens=4))
+                          sampling=Sampling(max_tokens=4))
         seen = drive(trainer)
         assert seen.get("accepted", 0) > 0 and trainer.stats.leases_expired > 0
         assert db.load() == mem.load()

@@ -28,7 +28,7 @@ from swarm.net import topics
 from swarm.net.node import META_PROTOCOL, MSG_PROTOCOL, Libp2pNode, NodeConfig
 from swarm.net.transport import Path as NetPath
 from swarm.net.transport import PeerUnreachable
-from swarm.protocol.leases import SamplingParams
+from swarm.protocol.leases import Sampling
 from swarm.roles.peer import PeerConfig, RolloutPeer
 from swarm.roles.trainer import TrainerConfig, TrainerNode
 
@@ -223,7 +223,7 @@ async def test_rollout_peer_is_back_within_seconds_of_the_trainer_restarting(
                 nudge(master, 2)
                 await trainer.publish(inference_state(master))
                 tasks = trainer.add_tasks([("after", [1, 2, 3])], group_size=2,
-                                          sampling=SamplingParams(max_new_tokens=3, seed=1))
+                                          sampling=Sampling(max_tokens=3, seed=1))
                 async with asyncio.timeout(BACK_WITHIN):
                     await peer.wait_version(2)
                 accepted = await trainer.collect(len(tasks), timeout=BACK_WITHIN)

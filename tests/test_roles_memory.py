@@ -22,7 +22,7 @@ from swarm.identity import Identity
 from swarm.net import topics
 from swarm.net.memory import LinkProfile, MemoryNetwork
 from swarm.protocol.exchange import ObjectSpec
-from swarm.protocol.leases import SamplingParams
+from swarm.protocol.leases import Sampling
 from swarm.roles.peer import PeerConfig, RolloutPeer, StatusFn, next_manifest
 from swarm.roles.trainer import TrainerConfig, TrainerNode
 
@@ -70,7 +70,7 @@ async def test_trainer_and_three_peers_follow_versions_and_do_work(tmp_path: Pat
             assert pub.manifest.manifest.kind == "delta" and pub.ratio > 1
             tasks = trainer.add_tasks(
                 [(f"p{step}-{k}", [1, 2, 3]) for k in range(4)], group_size=2,
-                sampling=SamplingParams(temperature=1.0, max_new_tokens=4, seed=step))
+                sampling=Sampling(temperature=1.0, max_tokens=4, seed=step))
             accepted = await trainer.collect(len(tasks), timeout=60)
             assert {r.task_id for a in accepted for r in a.results} == \
                 {t.task_id for t in tasks}

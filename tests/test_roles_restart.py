@@ -23,7 +23,7 @@ from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.torch_engine import TorchEngine
 from swarm.identity import Identity
 from swarm.net.memory import ADDRESS_PREFIX, LinkProfile, MemoryNetwork
-from swarm.protocol.leases import SamplingParams
+from swarm.protocol.leases import Sampling
 from swarm.roles import persist
 from swarm.roles.peer import STATE_FILE, PeerConfig, RolloutPeer
 from swarm.roles.trainer import TrainerConfig, TrainerNode
@@ -135,7 +135,7 @@ async def test_restarted_trainer_continues_and_peers_reconnect_by_themselves(
                 for p in peers:
                     await p.wait_version(1)
             tasks = trainer.add_tasks([("before", [1, 2, 3])], group_size=2,
-                                      sampling=SamplingParams(max_new_tokens=3, seed=1))
+                                      sampling=Sampling(max_tokens=3, seed=1))
             await trainer.collect(len(tasks), timeout=30)
         # The trainer is gone; the peers keep running and redial it.
         async with asyncio.timeout(10):
@@ -154,7 +154,7 @@ async def test_restarted_trainer_continues_and_peers_reconnect_by_themselves(
                 assert pub.step == step and pub.manifest.manifest.kind == "delta"
             tasks = trainer.add_tasks([(f"after-{k}", [3, 2, 1]) for k in range(3)],
                                       group_size=2,
-                                      sampling=SamplingParams(max_new_tokens=3, seed=2))
+                                      sampling=Sampling(max_tokens=3, seed=2))
             accepted = await trainer.collect(len(tasks), timeout=30)
             assert {r.task_id for a in accepted for r in a.results} >= \
                 {t.task_id for t in tasks}

@@ -65,8 +65,8 @@ async def _main(args: argparse.Namespace) -> int:
     import torch
 
     from swarm.demo.grpo import (
-        Completion,
         DemoConfig,
+        Rollout,
         derive_seed,
         make_optimizer,
         rollout_prompts,
@@ -74,7 +74,7 @@ async def _main(args: argparse.Namespace) -> int:
     )
     from swarm.demo.model import build_model, inference_state
     from swarm.net.node import Libp2pNode
-    from swarm.protocol.leases import SamplingParams
+    from swarm.protocol.leases import Sampling
     from swarm.roles.status import Reporter
     from swarm.roles.trainer import TrainerConfig, TrainerNode
 
@@ -115,9 +115,8 @@ async def _main(args: argparse.Namespace) -> int:
         for step in range(first, cfg.steps + 1):
             t0 = time.perf_counter()
             prompts = rollout_prompts(cfg, step)
-            sampling = SamplingParams(
-                temperature=cfg.temperature, top_p=1.0,
-                max_new_tokens=cfg.task.completion_len,
+            sampling = Sampling(
+                max_tokens=cfg.task.completion_len, temperature=cfg.temperature, top_p=1.0,
                 seed=derive_seed(cfg.seed, "rollout", step) % (1 << 62))
             tasks = node.add_tasks([(f"s{step}-{i}", p) for i, p in enumerate(prompts)],
                                    group_size=cfg.group_size, sampling=sampling)
@@ -128,7 +127,7 @@ async def _main(args: argparse.Namespace) -> int:
                        if r.task_id in prompt_of}
             versions = sorted({a.version for a in accepted})
             order = sorted(by_task)
-            groups = [[Completion(prompt_of[t], c.token_ids, c.logprobs)
+            groups = [[Rollout(prompt_of[t], c.token_ids, c.logprobs)
                        for c in by_task[t].completions] for t in order]
             rewards = [[cfg.task.reward(c.prompt, c.tokens) for c in g] for g in groups]
             solved = sum(cfg.task.solved(c.prompt, c.tokens) for g in groups for c in g)

@@ -5,7 +5,7 @@ Split the way the swarm splits it:
 - :func:`generate` runs on a rollout peer with its own copy of the inference state: for
   each prompt it samples a group of completions under an explicit seed and records the
   per-token log-probs of the sampled tokens. The result is plain ints and floats
-  (:meth:`Completion.to_obj`), so it crosses the network unchanged.
+  (:meth:`Rollout.to_obj`), so it crosses the network unchanged.
 - :func:`train_step` runs on the trainer with the fp32 master model: rewards are
   normalised within each group, ``advantage = (r - mean) / (std + eps)``, and the loss is
   the PPO-clipped surrogate summed over completion tokens and averaged over completions.
@@ -48,8 +48,10 @@ MAX_SEQUENCE = 4096
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
-    """One sampled answer: its prompt, the sampled token ids and their log-probs."""
+class Rollout:
+    """One sampled answer as the GRPO loss takes it: its prompt, the sampled token ids and
+    their log-probs (a :class:`swarm.protocol.leases.Completion` plus the prompt it
+    continues)."""
 
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -63,27 +65,27 @@ class Completion:
 
     @classmethod
     def from_obj(cls, obj: object, *, vocab_size: int,
-                 max_len: int = MAX_SEQUENCE) -> Completion:
+                 max_len: int = MAX_SEQUENCE) -> Rollout:
         """Strictly decode :meth:`to_obj`'s form received from a peer.
 
         :raises DecodeError: wrong keys or types, ids outside the vocabulary, lengths over
             ``max_len`` or not matching, log-probs not finite or above 0.
         """
         if not isinstance(obj, dict) or set(obj) != {"prompt", "tokens", "logprobs"}:
-            raise DecodeError("completion: expected a map with prompt, tokens, logprobs")
+            raise DecodeError("rollout: expected a map with prompt, tokens, logprobs")
         prompt, tokens, logprobs = obj["prompt"], obj["tokens"], obj["logprobs"]
         for name, seq in (("prompt", prompt), ("tokens", tokens), ("logprobs", logprobs)):
             if not isinstance(seq, list) or len(seq) > max_len:
-                raise DecodeError(f"completion: {name} must be a list of at most {max_len}")
+                raise DecodeError(f"rollout: {name} must be a list of at most {max_len}")
         if not prompt:
-            raise DecodeError("completion: empty prompt")
+            raise DecodeError("rollout: empty prompt")
         for name, ids in (("prompt", prompt), ("tokens", tokens)):
             if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
-                raise DecodeError(f"completion: {name} holds a non-token")
+                raise DecodeError(f"rollout: {name} holds a non-token")
         if len(logprobs) != len(tokens):
-            raise DecodeError("completion: one log-prob per token expected")
+            raise DecodeError("rollout: one log-prob per token expected")
         if any(type(x) is not float or not math.isfinite(x) or x > 0.0 for x in logprobs):
-            raise DecodeError("completion: log-probs must be finite floats <= 0")
+            raise DecodeError("rollout: log-probs must be finite floats <= 0")
         return cls(tuple(prompt), tuple(tokens), tuple(logprobs))
 
 
@@ -134,7 +136,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 1.0,
     config: TinyModelConfig | None = None,
-) -> list[list[Completion]]:
+) -> list[list[Rollout]]:
     """Sample ``group_size`` completions of ``max_new_tokens`` tokens for each prompt.
 
     ``model_or_state`` is a model, or an inference state plus its ``config`` (a model is
@@ -164,7 +166,7 @@ def generate(
     tokens = torch.stack(sampled, dim=1).tolist()
     lps = torch.stack(logps, dim=1).tolist()
     return [
-        [Completion(tuple(p), tuple(tokens[i * group_size + j]),
+        [Rollout(tuple(p), tuple(tokens[i * group_size + j]),
                     tuple(lps[i * group_size + j]))
          for j in range(group_size)]
         for i, p in enumerate(prompts)
@@ -187,7 +189,7 @@ def train_step(
     master_model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     prompts: Sequence[Sequence[int]],
-    completions: Sequence[Sequence[Completion]],
+    completions: Sequence[Sequence[Rollout]],
     rewards: Sequence[Sequence[float]],
     *,
     temperature: float = 1.0,
@@ -385,7 +387,7 @@ def run_local(
         for peer in peers:
             load_state(peer, published[0])
         prompts = rollout_prompts(cfg, step)
-        groups: list[list[Completion]] = []
+        groups: list[list[Rollout]] = []
         for i, peer in enumerate(peers):
             groups += generate(peer, peer_share(cfg, prompts, i), cfg.group_size,
                                derive_seed(cfg.seed, "rollout", step, i),

@@ -7,21 +7,24 @@ state_dict (Hugging Face names such as ``model.layers.0.self_attn.q_proj.weight`
 ``tensor_digests`` reports a digest of every tensor the engine holds, in that same naming,
 so a peer can check the engine matches the state it verified.
 
+:class:`Sampling` and :class:`Completion` are the lease protocol's own types
+(:mod:`swarm.protocol.leases`): the settings a lease carries go to the engine as
+they are, and what the engine returns goes into the signed result as it is.
+
 This module is light: it imports neither torch nor vLLM. The engines live in
 ``swarm.engines.torch_engine`` and ``swarm.engines.vllm_engine``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import blake3
 
 from swarm.content.ids import domain_hash
 from swarm.errors import LocalProtocolError
+from swarm.protocol.leases import Completion, Sampling
 
 if TYPE_CHECKING:
     import torch
@@ -45,62 +48,11 @@ class EngineUpdateError(LocalProtocolError):
     """An update names a tensor the engine lacks, or has the wrong shape or dtype."""
 
 
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """How to sample completions. The same settings and seed give the same tokens."""
-
-    max_tokens: int = 64
-    """Most tokens generated per prompt (the stop token counts)."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax, lowest token id on ties)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 keeps all."""
-    seed: int | None = None
-    """Base seed: prompt i of a batch samples with seed + i. None: not reproducible."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Generation of a prompt ends after one of these tokens (included in the output)."""
-
-    def __post_init__(self) -> None:
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise ValueError("max_tokens must be a positive int")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError("temperature must be finite and >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if type(self.top_k) is not int or self.top_k < 0:
-            raise ValueError("top_k must be an int >= 0")
-        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
-            raise ValueError("seed must be None or an int >= 0")
-        if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be ints >= 0")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
 def request_seed(sampling: Sampling, index: int) -> int | None:
     """The seed of prompt ``index`` of a batch (engines share this rule)."""
     if sampling.seed is None:
         return None
     return (sampling.seed + index) % (1 << 63)
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """The tokens generated for one prompt and the log-probability of each."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    """Log-probability of each generated token under the model's raw distribution (before
-    temperature, top-p and top-k), as the trainer's policy computes it."""
-    finish_reason: Literal["stop", "length"]
-
-    def __post_init__(self) -> None:
-        if len(self.token_ids) != len(self.logprobs):
-            raise ValueError("one log-prob per generated token")
 
 
 @runtime_checkable

@@ -34,7 +34,7 @@ def _timed(fn: Callable[[], object]) -> float:
 def _measure(engine: Any, state: Mapping[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from swarm.engines import Sampling
+    from swarm.protocol.leases import Sampling
 
     gen = torch.Generator().manual_seed(0)
     prompts = [

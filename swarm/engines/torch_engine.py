@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from swarm.engines import Completion, EngineUpdateError, Sampling, request_seed
+from swarm.engines import EngineUpdateError, request_seed
 from swarm.engines.tensors import check_sparse, check_update, digest_of
 from swarm.errors import LocalProtocolError
+from swarm.protocol.leases import Completion, Sampling
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

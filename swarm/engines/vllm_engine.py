@@ -19,11 +19,11 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from swarm.engines import Completion, EngineUpdateError, Sampling, request_seed
+from swarm.engines import EngineUpdateError, request_seed
 from swarm.engines.tensors import (
     check_sparse,
     check_update,
@@ -36,6 +36,7 @@ from swarm.engines.tensors import (
 # weights plain and writable; see ``use_plain_cpu_linear``.
 from swarm.engines.vllm_worker import SparseItem, UpdateItem
 from swarm.errors import LocalProtocolError
+from swarm.protocol.leases import Completion, FinishReason, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ def _completion(out: Any) -> Completion:
     logprobs = tuple(
         float(step[token].logprob) for step, token in zip(out.logprobs, tokens, strict=True)
     )
-    reason: Literal["stop", "length"] = "stop" if out.finish_reason == "stop" else "length"
+    reason: FinishReason = "stop" if out.finish_reason == "stop" else "length"
     if out.finish_reason not in ("stop", "length"):
         raise LocalProtocolError(f"vLLM ended a request with {out.finish_reason!r}")
     return Completion(tokens, logprobs, reason)

@@ -663,12 +663,10 @@ class RolloutPeer(NodeBase):
         async with self._engine_lock:
             version = self.version
             for task in lease.tasks:
-                sp = task.sampling
-                sampling = Sampling(max_tokens=sp.max_new_tokens, temperature=sp.temperature,
-                                    top_p=sp.top_p, seed=sp.seed)
+                sampling: Sampling = task.sampling  # the lease's settings, as signed
                 prompts = [list(task.prompt_tokens)] * task.group_size
                 outs = await asyncio.to_thread(self.engine.generate, prompts, sampling)
-                comps = tuple(Completion(tuple(o.token_ids), tuple(o.logprobs)) for o in outs)
+                comps: tuple[Completion, ...] = tuple(outs)  # the engine's, as sent
                 tokens += sum(len(c.token_ids) for c in comps)
                 results.append(TaskResult(task.task_id, comps))
         elapsed = max(1e-3, time.perf_counter() - t0)

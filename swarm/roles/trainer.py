@@ -43,7 +43,7 @@ from swarm.protocol.leases import (
     Accepted,
     LeaseConfig,
     RolloutTask,
-    SamplingParams,
+    Sampling,
     TrainerLeases,
 )
 from swarm.roles import persist, sync
@@ -258,7 +258,7 @@ class TrainerNode(NodeBase):
 
     # -- rollout work ------------------------------------------------------------------
     def add_tasks(self, prompts: Sequence[tuple[str, Sequence[int]]], *, group_size: int,
-                  sampling: SamplingParams) -> list[RolloutTask]:
+                  sampling: Sampling | None = None) -> list[RolloutTask]:
         tasks = self.leases.add_tasks(prompts, group_size=group_size, sampling=sampling)
         self._lease_wake.set()
         return tasks

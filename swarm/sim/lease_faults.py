@@ -30,7 +30,7 @@ from swarm.protocol.leases import (
     Reason,
     Result,
     RolloutTask,
-    SamplingParams,
+    Sampling,
     TaskResult,
     TrainerLeases,
     Verdict,
@@ -145,7 +145,7 @@ class _World:
         self.trainer.publish_version(0, 0.0)
         self.n_tasks = tasks
         self.trainer.add_tasks(((f"prompt-{i}", (i % 50_000, 7)) for i in range(tasks)),
-                               group_size=4, sampling=SamplingParams(max_new_tokens=32))
+                               group_size=4, sampling=Sampling(max_tokens=32))
         self.peers: dict[str, _SimPeer] = {}
         for i in range(peers):
             ident = Identity.from_seed(domain_hash("sim-peer", seed.to_bytes(8, "little"),
@@ -352,7 +352,7 @@ class _SimPeer:
         for task in lease.tasks:
             comps = []
             for _ in range(task.group_size):
-                n = self.rng.randint(4, task.sampling.max_new_tokens)
+                n = self.rng.randint(4, task.sampling.max_tokens)
                 comps.append(Completion(tuple(range(n)), tuple(-0.5 for _ in range(n))))
                 tokens += n
             results.append(TaskResult(task.task_id, tuple(comps)))

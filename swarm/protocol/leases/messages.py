@@ -15,7 +15,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, Literal, TypeVar, cast
 
 from swarm.content.ids import domain_hash
 from swarm.errors import DecodeError, LocalProtocolError, SignatureError
@@ -44,6 +44,9 @@ MAX_TIME_MS = (1 << 63) - 1
 MAX_TASK_ID = (1 << 63) - 1
 MAX_TOKEN_ID = (1 << 32) - 1
 MAX_TOKENS_PER_S = 1e9
+MAX_SEED = (1 << 63) - 1
+MAX_STOP_TOKENS = 256
+MAX_TEMPERATURE = 100.0
 
 
 class Reason(enum.StrEnum):
@@ -186,35 +189,68 @@ def _check_float(name: str, value: float, lo: float, hi: float) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Sampling settings a rollout engine applies to every completion of a task."""
+class Sampling:
+    """How a rollout engine samples every completion of a task; the same settings, seed and
+    weights give the same tokens. It travels signed inside leases, so every field is
+    bounded and checked both when built and when decoded."""
 
+    max_tokens: int = 256
+    """Most tokens generated per completion (a stop token counts)."""
     temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax, lowest token id on ties)."""
     top_p: float = 1.0
-    max_new_tokens: int = 256
-    seed: int = 0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    seed: int | None = None
+    """Base seed: prompt i of a batch samples with seed + i. None: not reproducible."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a prompt ends after one of these tokens (included in the output)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "temperature", _check_float("temperature", self.temperature,
-                                                             0.0, 100.0))
-        object.__setattr__(self, "top_p", _check_float("top_p", self.top_p, 0.0, 1.0))
-        if not 1 <= self.max_new_tokens <= MAX_COMPLETION_TOKENS:
-            raise ValueError(f"max_new_tokens is in [1, {MAX_COMPLETION_TOKENS}]")
-        if not 0 <= self.seed <= MAX_TIME_MS:
-            raise ValueError("seed is a non-negative 63-bit integer")
+        if type(self.max_tokens) is not int or not 1 <= self.max_tokens <= MAX_COMPLETION_TOKENS:
+            raise ValueError(f"max_tokens is an int in [1, {MAX_COMPLETION_TOKENS}]")
+        object.__setattr__(self, "temperature", _check_float(
+            "temperature", self.temperature, 0.0, MAX_TEMPERATURE))
+        top_p = _check_float("top_p", self.top_p, 0.0, 1.0)
+        if top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1]")
+        object.__setattr__(self, "top_p", top_p)
+        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOKEN_ID:
+            raise ValueError(f"top_k is an int in [0, {MAX_TOKEN_ID}]")
+        if self.seed is not None and (type(self.seed) is not int
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError("seed is None or a non-negative 63-bit int")
+        stop = tuple(self.stop_token_ids)
+        if len(stop) > MAX_STOP_TOKENS or any(
+                type(t) is not int or not 0 <= t <= MAX_TOKEN_ID for t in stop):
+            raise ValueError(f"stop_token_ids are at most {MAX_STOP_TOKENS} token ids")
+        object.__setattr__(self, "stop_token_ids", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     def to_wire(self) -> dict[str, Any]:
-        return {"temp": self.temperature, "top_p": self.top_p, "max_new": self.max_new_tokens,
-                "seed": self.seed}
+        return {"max": self.max_tokens, "temp": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed,
+                "stop": _u32_bytes(self.stop_token_ids)}
 
-    _KEYS: ClassVar[frozenset[str]] = frozenset({"temp", "top_p", "max_new", "seed"})
+    _KEYS: ClassVar[frozenset[str]] = frozenset({"max", "temp", "top_p", "top_k", "seed",
+                                                 "stop"})
 
     @classmethod
-    def from_wire(cls, obj: object) -> SamplingParams:
+    def from_wire(cls, obj: object) -> Sampling:
         m = strict.as_map(obj, cls._KEYS, "sampling")
-        return cls(_get_float(m, "temp", 0.0, 100.0), _get_float(m, "top_p", 0.0, 1.0),
-                   strict.get_int(m, "max_new", 1, MAX_COMPLETION_TOKENS),
-                   strict.get_int(m, "seed", 0, MAX_TIME_MS))
+        top_p = _get_float(m, "top_p", 0.0, 1.0)
+        if top_p == 0.0:
+            raise DecodeError("sampling: top_p is in (0, 1]")
+        stop = strict.get_bytes(m, "stop", max_len=4 * MAX_STOP_TOKENS)
+        return cls(strict.get_int(m, "max", 1, MAX_COMPLETION_TOKENS),
+                   _get_float(m, "temp", 0.0, MAX_TEMPERATURE), top_p,
+                   strict.get_int(m, "top_k", 0, MAX_TOKEN_ID),
+                   _get_opt_int(m, "seed", 0, MAX_SEED),
+                   _u32_values(stop, "stop", MAX_STOP_TOKENS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +261,7 @@ class RolloutTask:
     prompt_id: str
     prompt_tokens: tuple[int, ...] = ()
     group_size: int = 1
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)
 
     def __post_init__(self) -> None:
         if not 0 <= self.task_id <= MAX_TASK_ID:
@@ -254,37 +290,49 @@ class RolloutTask:
                        strict.get_str(m, "prompt_id", MAX_PROMPT_ID_LEN),
                        _u32_values(prompt, "prompt", MAX_PROMPT_TOKENS),
                        strict.get_int(m, "group", 1, MAX_GROUP_SIZE),
-                       SamplingParams.from_wire(m["sampling"]))
+                       Sampling.from_wire(m["sampling"]))
         except ValueError as exc:
             raise DecodeError(f"task: {exc}") from exc
 
 
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS: frozenset[str] = frozenset({"stop", "length"})
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """One sampled continuation: its token ids and the log-prob of each under the policy."""
+    """One sampled continuation, as an engine returns it and a result carries it."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
+    """Log-probability of each generated token under the model's raw distribution (before
+    temperature, top-p and top-k), as the trainer's policy computes it."""
+    finish_reason: FinishReason = "length"
+    """``"stop"``: it ended on a stop token; ``"length"``: it ran to ``max_tokens``."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError("one log-prob per token")
         if len(self.token_ids) > MAX_COMPLETION_TOKENS:
             raise ValueError(f"at most {MAX_COMPLETION_TOKENS} tokens per completion")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason is one of {sorted(FINISH_REASONS)}")
 
-    def to_wire(self) -> list[bytes]:
-        return [_u32_bytes(self.token_ids), _f64_bytes(self.logprobs)]
+    def to_wire(self) -> list[bytes | str]:
+        return [_u32_bytes(self.token_ids), _f64_bytes(self.logprobs), self.finish_reason]
 
     @classmethod
     def from_wire(cls, obj: object) -> Completion:
-        if (type(obj) is not list or len(obj) != 2 or type(obj[0]) is not bytes
-                or type(obj[1]) is not bytes):
-            raise DecodeError("completion: expected [token bytes, log-prob bytes]")
+        if (type(obj) is not list or len(obj) != 3 or type(obj[0]) is not bytes
+                or type(obj[1]) is not bytes or type(obj[2]) is not str
+                or obj[2] not in FINISH_REASONS):
+            raise DecodeError("completion: expected [token bytes, log-prob bytes, "
+                              "'stop' or 'length']")
         tokens = _u32_values(obj[0], "tokens", MAX_COMPLETION_TOKENS)
         logprobs = _f64_values(obj[1], "logprobs", MAX_COMPLETION_TOKENS)
         if len(tokens) != len(logprobs):
             raise DecodeError("completion: one log-prob per token")
-        return cls(tokens, logprobs)
+        return cls(tokens, logprobs, cast(FinishReason, obj[2]))
 
 
 @dataclass(frozen=True, slots=True)

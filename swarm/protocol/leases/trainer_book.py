@@ -32,7 +32,7 @@ from swarm.protocol.leases.messages import (
     Reason,
     Result,
     RolloutTask,
-    SamplingParams,
+    Sampling,
     TaskResult,
     Verdict,
     _Refused,
@@ -286,12 +286,12 @@ class TrainerLeases:
     # ------------------------------------------------------------------ trainer's own inputs
 
     def add_tasks(self, prompts: Iterable[tuple[str, Sequence[int]]], *, group_size: int = 1,
-                  sampling: SamplingParams | None = None) -> list[RolloutTask]:
+                  sampling: Sampling | None = None) -> list[RolloutTask]:
         """Queue one task per ``(prompt_id, prompt_tokens)``.
 
         :raises LocalProtocolError: the queue bound ``max_queue`` would be exceeded.
         """
-        params = sampling or SamplingParams()
+        params = sampling or Sampling()
         tasks = [RolloutTask(self._next_task + i, pid, tuple(tokens), group_size, params)
                  for i, (pid, tokens) in enumerate(prompts)]
         if self.outstanding + len(tasks) > self._cfg.max_queue:
@@ -539,7 +539,7 @@ class TrainerLeases:
         for tr in res.results:
             task = self._tasks[tr.task_id]
             if len(tr.completions) != task.group_size or any(
-                    len(c.token_ids) > task.sampling.max_new_tokens for c in tr.completions):
+                    len(c.token_ids) > task.sampling.max_tokens for c in tr.completions):
                 raise _Refused(Reason.BAD_SHAPE,
                                f"task {tr.task_id}: {len(tr.completions)} completions for a "
                                f"group of {task.group_size}, or too many tokens")
