@@ -70,6 +70,11 @@ class TrainerConfig:
     """Piece size of state roots and keyframes."""
     max_staleness: int = 1
     """Results may use any version ``>= latest - max_staleness``."""
+    leases: LeaseConfig | None = None
+    """The lease policy (grace, leases per peer, claim window, bans, queue bound, backups,
+    scheduling). None: :class:`~swarm.protocol.leases.LeaseConfig`'s defaults for this
+    ``run`` and ``max_staleness``; one given must name the same ``run`` and
+    ``max_staleness``. :attr:`lease_config` is the policy in force."""
     chunk_target: int = 2 << 20
     """Encoded bytes per delta chunk (1-4 MiB on real models; smaller for toy ones)."""
     keep_versions: int = 16
@@ -85,6 +90,18 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.extract_on not in ("host", "device"):
             raise ValueError("extract_on must be 'host' or 'device'")
+        if self.leases is not None and (self.leases.run != self.run
+                                        or self.leases.max_staleness != self.max_staleness):
+            raise ValueError(f"leases names run {self.leases.run!r} and max_staleness "
+                             f"{self.leases.max_staleness}; this config {self.run!r} and "
+                             f"{self.max_staleness}")
+
+    @property
+    def lease_config(self) -> LeaseConfig:
+        """The lease policy the trainer runs: ``leases``, or the defaults for this run."""
+        if self.leases is not None:
+            return self.leases
+        return LeaseConfig(run=self.run, max_staleness=self.max_staleness)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +132,7 @@ class TrainerNode(NodeBase):
         #: Whether the lease book saw a version published (by an earlier run of this node).
         self._book_published = book.last_publish is not None
         self.leases = TrainerLeases(
-            identity, LeaseConfig(run=config.run, max_staleness=config.max_staleness),
-            store=self.state_db, snapshot=book, now=time.time())
+            identity, config.lease_config, store=self.state_db, snapshot=book, now=time.time())
         self.manifests: deque[SignedManifest] = deque(maxlen=config.keep_versions + 1)
         self._state: dict[str, torch.Tensor] | None = None
         #: The last published version on its own device (``extract_on="device"``).
