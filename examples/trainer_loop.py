@@ -11,13 +11,18 @@ peers here run the demo's policy (``swarm peer`` builds it from the same config)
 import asyncio
 from pathlib import Path
 
-from swarm.demo.grpo import Completion, DemoConfig, make_optimizer, rollout_prompts, train_step
-from swarm.demo.model import build_model, inference_state
-from swarm.identity import Identity
-from swarm.net.dataplane import DataPlaneConfig
-from swarm.net.node import Libp2pNode, NodeConfig
-from swarm.protocol.leases import SamplingParams
-from swarm.roles.trainer import TrainerConfig, TrainerNode
+from swarm import (
+    DataPlaneConfig,
+    Identity,
+    Libp2pNode,
+    NodeConfig,
+    Sampling,
+    TrainerConfig,
+    TrainerNode,
+    inference_state,
+)
+from swarm.demo.grpo import DemoConfig, Rollout, make_optimizer, rollout_prompts, train_step
+from swarm.demo.model import build_model
 
 
 async def main(steps: int = 10) -> None:
@@ -34,10 +39,10 @@ async def main(steps: int = 10) -> None:
             prompts = rollout_prompts(cfg, step)
             tasks = node.add_tasks([(f"{step}-{i}", p) for i, p in enumerate(prompts)],
                                    group_size=cfg.group_size,
-                                   sampling=SamplingParams(max_new_tokens=cfg.task.completion_len,
-                                                          seed=step))
+                                   sampling=Sampling(max_tokens=cfg.task.completion_len,
+                                                     seed=step))
             results = {r.task_id: r for a in await node.collect(len(tasks)) for r in a.results}
-            groups = [[Completion(t.prompt_tokens, c.token_ids, c.logprobs)
+            groups = [[Rollout(t.prompt_tokens, c.token_ids, c.logprobs)  # c: a Completion
                        for c in results[t.task_id].completions] for t in tasks]
             rewards = [[cfg.task.reward(c.prompt, c.tokens) for c in g] for g in groups]
             train_step(model, opt, prompts, groups, rewards)
