@@ -31,3 +31,8 @@ class KeyFileError(SwarmError):
 
 class StoreError(SwarmError):
     """The chunk store failed (I/O error, budget exceeded, bad layout)."""
+
+
+class NodeFailed(SwarmError):
+    """A node stopped: one of its tasks failed (the cause is chained), or it was closed
+    while a caller waited on it."""

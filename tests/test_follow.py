@@ -276,6 +276,13 @@ class FollowMachine(RuleBasedStateMachine):
         self._act()
 
     @rule()
+    def claim_refused(self) -> None:
+        """A claim naming an old version is refused: the trainer has a newer one."""
+        if self.f.version < self.world.head:
+            self.f.behind(self.f.version + 1, self.now)
+        self._act()
+
+    @rule()
     def reconnect(self) -> None:
         self.f.trainer_connected(self.now)
         self._act()
@@ -290,6 +297,7 @@ class FollowMachine(RuleBasedStateMachine):
         if not hasattr(self, "f"):
             return
         self.lose_replies = False
+        self.claim_refused()  # the peer's next claim tells it, if no announcement did
         v = self.f.version
         head = self.world.head
         chain = sum(self.world.sizes[s] for s in range(v + 1, head + 1)) if v >= 0 else None

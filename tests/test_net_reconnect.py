@@ -187,7 +187,7 @@ async def test_rollout_peer_is_back_within_seconds_of_the_trainer_restarting(
     master = build_model(CFG)
     events: list[tuple[str, dict[str, object]]] = []
     redials = _Redials()
-    peer_log = logging.getLogger("swarm.roles.peer")
+    peer_log = logging.getLogger("swarm.roles.discovery")
     old_level = peer_log.level
     peer_log.setLevel(logging.DEBUG)
     peer_log.addHandler(redials)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from swarm.content.ids import chunk_id
-from swarm.content.manifest import Manifest, SignedManifest
+from swarm.content.manifest import SignedManifest
 from swarm.delta import EncoderConfig, encode_delta_sync
 from swarm.delta.state import keyframe_manifest, piece_views, state_root_of
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
@@ -23,7 +23,7 @@ from swarm.net import topics
 from swarm.net.memory import LinkProfile, MemoryNetwork
 from swarm.protocol.exchange import ObjectSpec
 from swarm.protocol.leases import Sampling
-from swarm.roles.peer import PeerConfig, RolloutPeer, StatusFn, next_manifest
+from swarm.roles.peer import PeerConfig, RolloutPeer, StatusFn
 from swarm.roles.trainer import TrainerConfig, TrainerNode
 
 CFG = TinyModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2,
@@ -116,26 +116,6 @@ async def test_late_joiner_with_other_weights_catches_up_by_keyframe(tmp_path: P
         want = state_root_of(inference_state(master), PIECE)
         assert late.root == want and state_root_of(late.state, PIECE) == want
         assert late.verified == 1  # one keyframe of version 3, no replay of old deltas
-
-
-def _manifest(step: int, kind: str, size: int) -> SignedManifest:
-    base = None if kind == "keyframe" else bytes([step - 1]) * 32
-    return Manifest("t", step, kind, base, bytes([step]) * 32, b"l" * 32, "c", PIECE,
-                    ((bytes([step, len(kind)]) * 16, size),)).sign(Identity.from_seed(b"M" * 32))
-
-
-def test_next_version_prefers_held_deltas_over_a_dearer_keyframe() -> None:
-    deltas = {s: _manifest(s, "delta", 100) for s in (2, 3, 4)}
-    key4 = _manifest(4, "keyframe", 1000)
-    assert next_manifest(1, deltas, key4) is deltas[2]   # 300 bytes of deltas < 1000
-    assert next_manifest(3, deltas, key4) is deltas[4]
-    assert next_manifest(1, deltas, _manifest(4, "keyframe", 250)) is not deltas[2]
-    assert next_manifest(0, deltas, key4) is key4        # delta 1 unknown: jump
-    assert next_manifest(1, {2: deltas[2], 4: deltas[4]}, key4) is key4
-    assert next_manifest(-1, deltas, key4) is key4       # a newcomer starts from a keyframe
-    assert next_manifest(-1, deltas, None) is None
-    assert next_manifest(4, deltas, key4) is None        # nothing ahead
-    assert next_manifest(1, deltas, None) is deltas[2]
 
 
 class _GatedEngine(TorchEngine):

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from swarm.net.transport import Gossip, PeerEvent, Transport, TransportClosed
+from swarm.errors import NodeFailed
+from swarm.net.transport import Gossip, PeerEvent, Transport
 from swarm.protocol.exchange import Event, Exchange, ExchangeConfig
 from swarm.roles.exchange_driver import ExchangeDriver
 from swarm.roles.mux import Mux
+from swarm.roles.tasks import TaskGroup
 
 if TYPE_CHECKING:
     from swarm.net.topics import PeerMetadata
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Network(Transport, Gossip, Protocol):
@@ -27,50 +32,57 @@ class Network(Transport, Gossip, Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """Where a node reads the time (injected, so tests and simulations can drive it)."""
+
+    now: Callable[[], float] = time.monotonic
+    """Monotonic seconds: timers, the exchange, fetch stalls (the event loop's clock)."""
+    wall: Callable[[], float] = time.time
+    """Unix seconds: lease times, signed into messages."""
+
+
 class NodeBase:
     """Owns the tasks of a node: message routing, the exchange, peer events.
 
     Subclasses add their own tasks with :meth:`spawn` and react to peers in
-    :meth:`on_peer`.
+    :meth:`on_peer`. The tasks form one :class:`~swarm.roles.tasks.TaskGroup`: a failing
+    task stops the node, and callers waiting on it (through :meth:`wait`) get
+    :class:`~swarm.errors.NodeFailed` with the cause.
     """
 
     def __init__(self, net: Network, *, region: str, exchange_config: ExchangeConfig,
-                 seed: int = 0) -> None:
+                 seed: int = 0, clock: Clock | None = None, name: str = "node") -> None:
         self.net = net
         self.region = region
+        self.clock = clock or Clock()
         self.mux = Mux(net)
         self._exchange_config = exchange_config
         self._seed = seed
-        self._tasks: dict[asyncio.Task[None], Coroutine[Any, Any, None]] = {}
-        """Running tasks and their coroutines (a finished task leaves on its own)."""
+        self.tasks = TaskGroup(name)
         self.driver: ExchangeDriver
-        self.closed = asyncio.Event()
 
-    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(self._guard(coro, name), name=name)
-        self._tasks[task] = coro
-        task.add_done_callback(self._finished)
+    @property
+    def closed(self) -> asyncio.Event:
+        """Set once the node stopped (closed, or a task failed: see :attr:`failure`)."""
+        return self.tasks.closed
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._tasks.pop(task, None)
-        if not task.cancelled():
-            task.exception()  # retrieved: :meth:`_guard` logged it and closed the node
+    @property
+    def failure(self) -> NodeFailed | None:
+        """Why the node stopped on its own (``None``: it did not)."""
+        return self.tasks.failure
 
-    async def _guard(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        try:
-            await coro
-        except (asyncio.CancelledError, TransportClosed):
-            raise
-        except Exception:
-            log.exception("task %s failed", name)
-            self.closed.set()
-            raise
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None] | None:
+        return self.tasks.spawn(coro, name)
+
+    async def wait(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` while the node runs; :class:`NodeFailed` if it stops first."""
+        return await self.tasks.wait(aw)
 
     async def start(self, on_event: Callable[[Event], None] | None = None) -> None:
-        loop = asyncio.get_running_loop()
         exchange = Exchange(self.net.peer_id, region=self.region, config=self._exchange_config,
-                            seed=self._seed, now=loop.time())
-        self.driver = ExchangeDriver(exchange, self.mux, on_event)
+                            seed=self._seed, now=self.clock.now())
+        self.driver = ExchangeDriver(exchange, self.mux, on_event, clock=self.clock.now)
         await self.driver.__aenter__()
         self.spawn(self.mux.route(), "mux")
         self.spawn(self._peer_events(), "peer events")
@@ -78,16 +90,9 @@ class NodeBase:
             self.on_peer(peer, True)
 
     async def stop(self) -> None:
-        tasks = dict(self._tasks)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        for coro in tasks.values():
-            coro.close()  # a task cancelled before it ran never started its coroutine
-        self._tasks.clear()
-        await self.driver.__aexit__(None, None, None)
+        await self.tasks.close()
+        if hasattr(self, "driver"):
+            await self.driver.__aexit__(None, None, None)
 
     async def _peer_events(self) -> None:
         while True:
@@ -95,10 +100,7 @@ class NodeBase:
             self.on_peer(ev.peer_id, ev.connected)
 
     def region_of(self, peer: str) -> str:
-        directory = getattr(self.net, "directory", None)
-        if directory is None:
-            return ""
-        meta = directory().get(peer)
+        meta = self.net.directory().get(peer)
         return "" if meta is None else str(meta.region)
 
     def on_peer(self, peer: str, connected: bool) -> None:

@@ -45,11 +45,12 @@ class ExchangeDriver:
     """Runs an :class:`Exchange` on real time and a real (or in-memory) transport."""
 
     def __init__(self, exchange: Exchange, mux: Mux,
-                 on_event: Callable[[Event], None] | None = None) -> None:
+                 on_event: Callable[[Event], None] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.exchange = exchange
         self.mux = mux
         self._on_event = on_event
-        self._loop = asyncio.get_running_loop()
+        self._clock = clock or asyncio.get_running_loop().time
         self._kick = asyncio.Event()
         self._links: dict[str, _Link] = {}
         self._complete: dict[bytes, asyncio.Event] = {}
@@ -59,7 +60,7 @@ class ExchangeDriver:
         self.corrupt_uploads = False
 
     def now(self) -> float:
-        return self._loop.time()
+        return self._clock()
 
     async def __aenter__(self) -> ExchangeDriver:
         self._tasks = [
@@ -168,8 +169,9 @@ class ExchangeDriver:
             deadline = self.exchange.next_timer()
             # A timer sets the event rather than wait_for cancelling the wait: on Python
             # 3.11 wait_for racing with __aexit__'s cancel can swallow the cancel.
+            loop = asyncio.get_running_loop()
             alarm = None if deadline is None else \
-                self._loop.call_later(max(0.0, deadline - self.now()), self._kick.set)
+                loop.call_later(max(0.0, deadline - self.now()), self._kick.set)
             try:
                 await self._kick.wait()
             finally:

@@ -6,11 +6,18 @@ state's root against the trainer's signed manifest, and only then pushes the cha
 tensors into the engine, at a rollout boundary. Work comes as leases signed by the
 trainer; results go back signed by this peer.
 
+The peer is a composition: a :class:`~swarm.protocol.follow.Follower` decides which
+version to fetch and install next (this module carries out its actions),
+:class:`~swarm.roles.peer_work.LeasedWork` claims and runs leases, and
+:class:`~swarm.roles.discovery.Discovery` keeps neighbours and the trainer connected.
+
 With a ``data_dir`` it survives its own restarts: after each verified version it saves the
 state with the signed manifest of that version (atomically), and keeps received chunks in
 a bounded :class:`~swarm.content.store.DiskChunkStore`. A peer opened again on that
 directory checks the saved state against the trainer's signature and root, resumes at its
-version and catches up by deltas; chunks already on disk are not fetched again. With
+version, asks the trainer what followed and catches up by the cheaper route; chunks
+already on disk are not fetched again. A saved state that is refused (empty, truncated,
+not signed by the trainer) is moved aside and the peer starts from a keyframe. With
 ``bootstrap`` addresses it survives trainer restarts: while the trainer is not connected
 it redials them with a bounded backoff, then asks the trainer for what it missed.
 """
@@ -20,9 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +39,7 @@ from swarm.content.store import DiskChunkStore
 from swarm.delta.codec import CODEC_NAME
 from swarm.delta.patch import Patcher
 from swarm.delta.state import KeyframeFiller, layout_of, piece_views, state_root_of
-from swarm.engines import RolloutEngine, Sampling
+from swarm.engines import RolloutEngine
 from swarm.errors import (
     DecodeError,
     IntegrityError,
@@ -45,28 +51,26 @@ from swarm.identity import Identity, public_key_from_peer_id
 from swarm.net import topics
 from swarm.net.transport import Subscription
 from swarm.protocol.exchange import ChunkStored, Event, ExchangeConfig, ObjectSpec, PeerBanned
-from swarm.protocol.leases import (
-    Completion,
-    Lease,
-    PeerLeases,
-    Reason,
-    TaskResult,
-    decode_message,
+from swarm.protocol.follow import (
+    Action,
+    AskTrainer,
+    Drop,
+    Fetch,
+    FollowConfig,
+    Follower,
+    Install,
+    Stop,
 )
-from swarm.protocol.leases import Message as LeaseMessage
+from swarm.protocol.leases import PeerLeases
 from swarm.roles import persist, sync
-from swarm.roles.common import Network, NodeBase
+from swarm.roles.common import Clock, Network, NodeBase
+from swarm.roles.discovery import Discovery, DiscoveryConfig
 from swarm.roles.mux import Channel
+from swarm.roles.peer_work import LeasedWork, WorkConfig
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "peer.state"
-#: Manifests remembered as failed (a failed one offered again is ignored).
-MAX_FAILED = 64
-#: Delta manifests kept ahead of the version held (past that, the trainer is asked).
-MAX_PENDING_DELTAS = 64
-#: Longest wait before dialing again a neighbour from the directory that did not answer.
-DISCOVER_RETRY_MAX = 60.0
 
 StatusFn = Callable[[str, dict[str, object]], None]
 
@@ -103,32 +107,13 @@ class PeerConfig:
     store_budget: int = 256 << 20
     """Bytes of received chunks kept on disk (the two newest versions always stay)."""
     fetch_stall: float = 10.0
-    """Seconds without a new chunk of a version being fetched after which the trainer is
-    asked again, and the fetch is given up if something else is now the version to take
-    (its seeders may have moved on; while it progresses, it is kept)."""
+    """Seconds without a new chunk of a version being fetched (or, while behind with
+    nothing that leads on, since the last ask) after which the trainer is asked again;
+    a stalled fetch is given up when another route exists."""
 
     def __post_init__(self) -> None:
         if not self.fetch_stall > 0:
             raise ValueError("fetch_stall must be positive")
-
-
-def next_manifest(version: int, deltas: Mapping[int, SignedManifest],
-                  keyframe: SignedManifest | None) -> SignedManifest | None:
-    """The version to install next, from ``version``: the delta after it, or a keyframe
-    ahead of it when that costs fewer bytes than the deltas up to the keyframe's step, or
-    when some of those deltas are unknown.
-
-    A keyframe of the newest version is published whenever a newcomer asks for one; a
-    peer a few deltas behind keeps following its deltas rather than fetch the dense state.
-    """
-    if keyframe is not None and keyframe.manifest.step > version:
-        if version < 0:
-            return keyframe
-        chain = [deltas.get(s) for s in range(version + 1, keyframe.manifest.step + 1)]
-        if any(m is None for m in chain) or \
-                sum(m.manifest.total_bytes for m in chain if m) >= keyframe.manifest.total_bytes:
-            return keyframe
-    return None if version < 0 else deltas.get(version + 1)
 
 
 class RolloutPeer(NodeBase):
@@ -136,8 +121,10 @@ class RolloutPeer(NodeBase):
 
     def __init__(self, identity: Identity, net: Network, config: PeerConfig,
                  state: dict[str, torch.Tensor], engine: RolloutEngine,
-                 status: StatusFn | None = None, seed: int = 0) -> None:
-        super().__init__(net, region=config.region, exchange_config=config.exchange, seed=seed)
+                 status: StatusFn | None = None, seed: int = 0,
+                 clock: Clock | None = None) -> None:
+        super().__init__(net, region=config.region, exchange_config=config.exchange,
+                         seed=seed, clock=clock, name="peer")
         self.identity = identity
         self.config = config
         self.trainer_key = public_key_from_peer_id(config.trainer)
@@ -145,88 +132,125 @@ class RolloutPeer(NodeBase):
         self.engine = engine
         self.version = -1
         self.root: bytes | None = None
-        self.leases = PeerLeases(identity, self.trainer_key, config.run)
         self._status = status or (lambda event, fields: None)
-        self._deltas: dict[int, SignedManifest] = {}
-        """Delta manifests ahead of ``version``, by step."""
-        self._keyframe: SignedManifest | None = None
-        """The newest keyframe ahead of ``version``."""
+        self._layout_digest = layout_of(state).digest
+        self.follower = self._new_follower()
+        self._wake = asyncio.Event()
+        """Set when the follower has news (an offer, a fetch done, the trainer back)."""
+        self._fetches: dict[bytes, tuple[SignedManifest, float, asyncio.Task[None] | None]] = {}
+        """Objects being fetched: their manifest, when the fetch began, its watcher."""
         self._views_served: set[bytes] = set()
         """Objects whose chunks are views of ``state`` (keyframes of the version held)."""
         self._writing = False
         """``state`` is being written: it matches no version until the write ends."""
-        self._layout_digest = layout_of(state).digest
-        self._asked_after = -1
-        """The newest version whose announcement made this peer ask for a sync."""
-        self._failed: deque[bytes] = deque(maxlen=MAX_FAILED)
-        """Manifests whose content failed to install: offered again, they are ignored."""
         self._installed: deque[SignedManifest] = deque(maxlen=config.keep_versions)
-        self._new_manifest = asyncio.Event()
         self._engine_lock = asyncio.Lock()
         self._version_changed = asyncio.Condition()
-        self._lease_inbox: asyncio.Queue[Lease] = asyncio.Queue(64)
-        self._tokens_per_s = 100.0
         self.verified = 0
         self.verify_failures = 0
-        self.tasks_done = 0
         self.bans: list[tuple[str, str]] = []
         #: The version restored from ``data_dir`` at start (-1: none).
         self.resumed_version = -1
-        self.reconnects = 0
-        self._trainer_lost = asyncio.Event()
+        self.leases = PeerLeases(identity, self.trainer_key, config.run)
+        self.work = LeasedWork(
+            self.leases, self.mux, engine, self._engine_lock,
+            WorkConfig(config.trainer, config.want_tasks, config.claim_retry), self.clock,
+            version=lambda: self.version, status=self._status, on_stale=self._stale)
+        self.discovery = Discovery(
+            net, DiscoveryConfig(config.trainer, config.bootstrap, config.max_neighbours,
+                                 config.discover_interval, config.reconnect_min,
+                                 config.reconnect_max),
+            self.clock, on_trainer_back=self._trainer_back)
         self._store: DiskChunkStore | None = None
         self._state_path: Path | None = None
-        self._fetching: dict[bytes, tuple[int, tuple[bytes, ...]]] = {}
         self._to_store: asyncio.Queue[tuple[bytes, bytes, int]] = asyncio.Queue(256)
         if config.data_dir is not None:
             self._state_path = config.data_dir / STATE_FILE
             self._store = DiskChunkStore(config.data_dir / "chunks",
                                          budget_bytes=config.store_budget)
 
+    def _new_follower(self) -> Follower:
+        return Follower(run=self.config.run, codec=CODEC_NAME,
+                        layout_digest=self._layout_digest,
+                        config=FollowConfig(stall=self.config.fetch_stall),
+                        version=self.version, root=self.root, now=self.clock.now())
+
     async def __aenter__(self) -> RolloutPeer:
-        await self._resume()
-        await self.start(self._on_exchange_event)
-        sub = await self.net.subscribe(topics.manifests(self.config.run),
-                                       topics.manifest_validator(self.trainer_key))
-        self.spawn(self._manifest_feed(sub), "manifest feed")
-        self.spawn(self._sync_inbox(), "sync inbox")
-        self.spawn(self._follow(), "follow versions")
-        self.spawn(self._lease_inbox_loop(), "lease inbox")
-        self.spawn(self._work(), "work")
-        self.spawn(self._heartbeats(), "heartbeats")
-        self.spawn(self._discover(), "discover")
-        if self._store is not None:
-            self.spawn(self._store_chunks(self._store), "chunk store")
-        if self.config.bootstrap:
-            self.spawn(self._reconnect(), "reconnect")
-        if self.config.trainer in self.net.connected_peers():
-            await self._ask_sync()
+        try:
+            await self._resume()
+            self.follower = self._new_follower()
+            await self.start(self._on_exchange_event)
+            sub = await self.net.subscribe(topics.manifests(self.config.run),
+                                           topics.manifest_validator(self.trainer_key))
+            self.spawn(self._manifest_feed(sub), "manifest feed")
+            self.spawn(self._sync_inbox(), "sync inbox")
+            self.spawn(self._follow(), "follow versions")
+            self.spawn(self.work.inbox(), "lease inbox")
+            self.spawn(self.work.claims(), "work")
+            self.spawn(self.work.heartbeats(), "heartbeats")
+            self.spawn(self.discovery.run_directory(), "discover")
+            if self._store is not None:
+                self.spawn(self._store_chunks(self._store), "chunk store")
+            if self.config.bootstrap:
+                self.spawn(self.discovery.run_reconnect(), "reconnect")
+        except BaseException:
+            await self.stop()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    @property
+    def tasks_done(self) -> int:
+        return self.work.tasks_done
+
+    @property
+    def reconnects(self) -> int:
+        return self.discovery.reconnects
+
     def on_peer(self, peer: str, connected: bool) -> None:
         if connected:
             self.driver.connected(peer, region=self.region_of(peer),
                                   trainer=peer == self.config.trainer)
-            if peer == self.config.trainer and hasattr(self, "_tasks") and self._tasks:
-                self.spawn(self._ask_sync(), "sync request")
+            if peer == self.config.trainer:
+                self.follower.trainer_connected(self.clock.now())
+                self._wake.set()
         else:
             self.driver.disconnected(peer)
             if peer == self.config.trainer:
-                self._trainer_lost.set()
+                self.discovery.trainer_lost()
+        self._update_ready()
+
+    def _update_ready(self) -> None:
+        if self.version >= 0 and self.config.trainer in self.net.connected_peers():
+            self.work.ready.set()
+        else:
+            self.work.ready.clear()
+
+    def _trainer_back(self) -> None:
+        self._status("reconnected", {"version": self.version})
+        self.follower.trainer_connected(self.clock.now())
+        self._wake.set()
+
+    def _stale(self) -> None:
+        self.follower.behind(self.version + 1, self.clock.now())
+        self._wake.set()
 
     def _on_exchange_event(self, ev: Event) -> None:
         if isinstance(ev, ChunkStored):
-            fetching = self._fetching.get(ev.obj)
-            if fetching is not None:
-                version, ids = fetching
+            fetch = self._fetches.get(ev.obj)
+            if fetch is None:
+                return
+            sm = fetch[0]
+            self.follower.chunk_arrived(sm, self.clock.now())
+            if self._store is not None:
                 try:
-                    self._to_store.put_nowait((ids[ev.index], ev.data, version))
+                    self._to_store.put_nowait((sm.manifest.chunk_ids[ev.index], ev.data,
+                                               sm.manifest.step))
                 except asyncio.QueueFull:
                     log.debug("chunk store busy: chunk %d of step %d kept in memory only",
-                              ev.index, version)
+                              ev.index, sm.manifest.step)
         elif isinstance(ev, PeerBanned):
             self.bans.append((ev.peer, ev.reason))
             self._status("banned", {"peer": ev.peer, "reason": ev.reason})
@@ -273,7 +297,8 @@ class RolloutPeer(NodeBase):
                 log.error("could not store a chunk of step %d: %s", version, exc)
 
     async def _stored(self, spec: ObjectSpec) -> dict[int, bytes]:
-        """Chunks of ``spec`` already in the chunk store (verified on read)."""
+        """Chunks of ``spec`` already in the chunk store (verified on read: a corrupt one
+        is dropped from the store and fetched again)."""
         store = self._store
         if store is None:
             return {}
@@ -287,38 +312,12 @@ class RolloutPeer(NodeBase):
 
         return await asyncio.to_thread(read)
 
-    async def _reconnect(self) -> None:
-        """Redial the bootstrap addresses while the trainer is away (bounded backoff)."""
-        delay = self.config.reconnect_min
-        while True:
-            if self.config.trainer in self.net.connected_peers():
-                delay = self.config.reconnect_min
-                self._trainer_lost.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.config.reconnect_max):
-                        await self._trainer_lost.wait()
-                continue
-            for addr in self.config.bootstrap:
-                try:
-                    await self.net.connect(addr)
-                except (SwarmError, OSError) as exc:
-                    log.debug("redial %s: %s", addr, exc)
-            if self.config.trainer in self.net.connected_peers():
-                self.reconnects += 1
-                log.info("trainer reachable again (reconnect %d)", self.reconnects)
-                self._status("reconnected", {"version": self.version})
-                await self._ask_sync()
-                continue
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.config.reconnect_max)
-
     # -- versions ----------------------------------------------------------------------
-    async def _ask_sync(self, after: int | None = None) -> None:
-        """Ask the trainer for what follows version ``after`` (default: the version held;
-        -1: a keyframe of its newest version)."""
+    async def _ask_sync(self, after: int) -> None:
+        """Ask the trainer for what follows step ``after`` (-1: a keyframe of its newest)."""
         with contextlib.suppress(SwarmError):
-            await self.mux.send(Channel.SYNC, self.config.trainer, sync.encode(
-                sync.SyncRequest(self.version if after is None else after)))
+            await self.mux.send(Channel.SYNC, self.config.trainer,
+                                sync.encode(sync.SyncRequest(after)))
 
     def _offer(self, data: bytes) -> None:
         try:
@@ -326,35 +325,15 @@ class RolloutPeer(NodeBase):
         except SwarmError as exc:
             log.warning("dropped a manifest: %s", exc)
             return
-        m = sm.manifest
-        if m.run != self.config.run or (self._failed and sm.id in self._failed):
-            return
-        if m.kind == "delta" and m.codec != CODEC_NAME:
-            log.warning("dropped step %d: codec %r, this peer decodes %r", m.step, m.codec,
-                        CODEC_NAME)
-            return
-        if m.kind == "keyframe" and m.step == self.version and m.target_root == self.root:
+        offered = self.follower.offer(sm, self.clock.now())
+        if offered.kind == "held":
             # A keyframe of the version we hold: seed its pieces for newcomers (not while
             # the state is being written: then it holds no version).
             if not self._writing:
                 self._serve_state(sm)
-            return
-        if m.step <= self.version:
-            return
-        if m.kind == "keyframe":
-            held = self._keyframe
-            if held is None or m.step > held.manifest.step or \
-                    (m.step == held.manifest.step and sm.id != held.id):
-                self._keyframe = sm  # the newest; of one step, the last announced
-        else:
-            if len(self._deltas) < MAX_PENDING_DELTAS:
-                self._deltas.setdefault(m.step, sm)
-            if self._next_manifest() is None and m.step > self._asked_after:
-                # A newer version, and nothing held leads to it (a lost announcement, a
-                # version that failed): ask the trainer, once per version, what to take.
-                self._asked_after = m.step
-                self.spawn(self._ask_sync(), "sync request")
-        self._new_manifest.set()
+        elif offered.reason.startswith("codec"):
+            log.warning("dropped step %d: %s", sm.manifest.step, offered.reason)
+        self._wake.set()
 
     async def _manifest_feed(self, sub: Subscription) -> None:
         async with sub:
@@ -377,103 +356,98 @@ class RolloutPeer(NodeBase):
                 for data in reply.manifests:
                     self._offer(data)
 
-    def _next_manifest(self) -> SignedManifest | None:
-        return next_manifest(self.version, self._deltas, self._keyframe)
-
-    async def _fetched(self, sm: SignedManifest, spec: ObjectSpec) -> bool:
-        """Wait for every chunk of ``spec``. While none comes for ``fetch_stall`` seconds,
-        ask the trainer again, once a stall; then give up (False) if another version is now
-        the one to take: its seeders move on (the trainer seeds only its newest keyframe
-        and the versions it keeps, peers the keyframe of the version they hold), so it may
-        never complete."""
-        done = asyncio.ensure_future(self.driver.wait_complete(spec.obj))
-        stall = self.config.fetch_stall
-        asked = self.driver.now()
-        try:
-            while not done.done():
-                now = self.driver.now()
-                if self.driver.exchange.idle(spec.obj, now) >= stall:
-                    ahead = self._keyframe
-                    if sm.manifest.kind == "delta" and ahead is not None \
-                            and self._deltas.get(sm.manifest.step) is sm:
-                        # Nobody serves it, and a keyframe ahead is known: take that.
-                        del self._deltas[sm.manifest.step]
-                    if self._next_manifest() is not sm:
-                        return False
-                    if now - asked >= stall:
-                        asked = now
-                        await self._ask_sync(-1 if sm.manifest.kind == "keyframe" else None)
-                await asyncio.wait({done}, timeout=stall / 4)
-            return True
-        finally:
-            done.cancel()
-
-    def _forget_through(self, step: int) -> None:
-        """Drop the manifests of versions up to ``step``."""
-        for s in [s for s in self._deltas if s <= step]:
-            del self._deltas[s]
-        if self._keyframe is not None and self._keyframe.manifest.step <= step:
-            self._keyframe = None
-
     async def _follow(self) -> None:
+        """Carry out the follower's actions; sleep until it has news or a deadline."""
+        loop = asyncio.get_running_loop()
         while True:
-            sm = self._next_manifest()
-            if sm is None:
-                self._new_manifest.clear()
-                if self._next_manifest() is None:
-                    await self._new_manifest.wait()
+            self._wake.clear()
+            actions = self.follower.poll(self.clock.now())
+            for action in actions:
+                await self._act(action)
+            if actions:
                 continue
-            t0 = time.perf_counter()
-            if sm.manifest.layout_digest != self._layout_digest:
-                raise RuntimeError(
-                    f"step {sm.manifest.step} is for another model (layout digest "
-                    f"{sm.manifest.layout_digest.hex()[:16]}, this peer's state has "
-                    f"{self._layout_digest.hex()[:16]}): this peer cannot follow the run")
-            spec = ObjectSpec.from_manifest(sm)
-            if spec.chunk_ids:
-                if sm.manifest.kind == "keyframe" and await self._local_matches(sm):
-                    self._serve_state(sm)
-                elif not self.driver.has_object(spec.obj):
-                    if self._store is not None:
-                        self._fetching[spec.obj] = (sm.manifest.step, spec.chunk_ids)
-                    self.driver.add_object(spec, await self._stored(spec))
-                fetched_all = await self._fetched(sm, spec)
-                self._fetching.pop(spec.obj, None)
-                if not fetched_all:
-                    self.driver.drop({spec.obj})
-                    continue
-            fetched = time.perf_counter() - t0
+            wake = self.follower.wake_at()
+            timer = None if wake is None else loop.call_later(
+                max(0.0, wake - self.clock.now()), self._wake.set)
             try:
-                changed, verified_at = await self._install(sm, spec)
-            except SwarmError as exc:
-                self.verify_failures += 1
-                log.error("step %d failed verification: %s", sm.manifest.step, exc)
-                self._status("verify_failed", {"version": sm.manifest.step, "error": str(exc)})
-                if sm.manifest.kind == "keyframe":
-                    if self._keyframe is sm:
-                        self._keyframe = None
-                elif self._deltas.get(sm.manifest.step) is sm:
-                    del self._deltas[sm.manifest.step]
-                bad = isinstance(exc, RemoteProtocolError)
-                if bad:  # its content is wrong however often it is fetched: never again
-                    self._failed.append(sm.id)
-                    self.driver.drop({spec.obj})
-                await self._ask_sync(-1 if bad else None)
-                continue
-            self.verified += 1
-            self._forget_through(self.version)
-            self._installed.append(sm)
-            # Keep serving the last few versions to laggards; free older chunks.
-            ahead = [*self._deltas.values(), *([self._keyframe] if self._keyframe else [])]
-            self.driver.retain({m.id for m in self._installed} | {m.id for m in ahead})
-            self._status("verified", {
-                "version": self.version, "kind": sm.manifest.kind,
-                "bytes": sm.manifest.total_bytes, "fetch_s": round(fetched, 3),
-                "sync_s": round(verified_at - t0, 3),
-                "installed_s": round(time.perf_counter() - t0, 3), "tensors": len(changed),
-                "bytes_up": self.driver.exchange.bytes_up,
-                "bytes_down": self.driver.exchange.bytes_down,
-            })
+                await self._wake.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+    async def _act(self, action: Action) -> None:
+        if isinstance(action, Fetch):
+            await self._fetch(action.manifest)
+        elif isinstance(action, Drop):
+            self._end_fetch(action.manifest, drop=True)
+        elif isinstance(action, AskTrainer):
+            self.spawn(self._ask_sync(action.after), "sync request")
+        elif isinstance(action, Install):
+            await self._install_version(action.manifest)
+        elif isinstance(action, Stop):
+            raise LocalProtocolError(action.reason)
+
+    async def _fetch(self, sm: SignedManifest) -> None:
+        spec = ObjectSpec.from_manifest(sm)
+        now = self.clock.now()
+        if not spec.chunk_ids or (sm.manifest.kind == "keyframe"
+                                  and await self._local_matches(sm)):
+            if spec.chunk_ids:
+                self._serve_state(sm)
+            self.follower.fetched(sm, now)
+            return
+        if not self.driver.has_object(spec.obj):
+            self.driver.add_object(spec, await self._stored(spec))
+
+        async def watch() -> None:
+            await self.driver.wait_complete(spec.obj)
+            self.follower.fetched(sm, self.clock.now())
+            self._wake.set()
+
+        self._fetches[spec.obj] = (sm, now, self.spawn(watch(), "fetch watcher"))
+
+    def _end_fetch(self, sm: SignedManifest, *, drop: bool) -> None:
+        fetch = self._fetches.pop(sm.id, None)
+        if fetch is not None and fetch[2] is not None:
+            fetch[2].cancel()
+        if drop and sm.id not in self._views_served:
+            self.driver.drop({sm.id})
+
+    async def _install_version(self, sm: SignedManifest) -> None:
+        fetch = self._fetches.get(sm.id)
+        t0 = fetch[1] if fetch is not None else self.clock.now()
+        fetched = self.clock.now() - t0
+        spec = ObjectSpec.from_manifest(sm)
+        try:
+            changed, verified_at = await self._install(sm, spec)
+        except SwarmError as exc:
+            self.verify_failures += 1
+            log.error("step %d failed verification: %s", sm.manifest.step, exc)
+            self._status("verify_failed", {"version": sm.manifest.step, "error": str(exc)})
+            # Content that is wrong however often it is fetched: never again.
+            bad = isinstance(exc, RemoteProtocolError)
+            self._end_fetch(sm, drop=bad)
+            self.follower.install_failed(sm, bad_content=bad, version=self.version,
+                                         root=self.root, now=self.clock.now())
+            self._update_ready()
+            return
+        self._end_fetch(sm, drop=False)
+        assert self.root is not None
+        self.follower.installed(sm, self.root, self.clock.now())
+        self.verified += 1
+        self._installed.append(sm)
+        self._update_ready()
+        # Keep serving the last few versions to laggards; free older chunks.
+        keep = {m.id for m in self._installed} | {m.id for m in self.follower.pending()}
+        self.driver.retain(keep | self._views_served | set(self._fetches))
+        self._status("verified", {
+            "version": self.version, "kind": sm.manifest.kind,
+            "bytes": sm.manifest.total_bytes, "fetch_s": round(fetched, 3),
+            "sync_s": round(verified_at - t0, 3),
+            "installed_s": round(self.clock.now() - t0, 3), "tensors": len(changed),
+            "bytes_up": self.driver.exchange.bytes_up,
+            "bytes_down": self.driver.exchange.bytes_down,
+        })
 
     async def _local_matches(self, sm: SignedManifest) -> bool:
         root = await asyncio.to_thread(state_root_of, self.state, sm.manifest.piece_size)
@@ -500,8 +474,7 @@ class RolloutPeer(NodeBase):
         """Patch (or fill) the canonical state and verify its root while the engine keeps
         generating; then, at a rollout boundary, update the engine.
 
-        Returns the changed tensor names and when verification finished
-        (``time.perf_counter()``).
+        Returns the changed tensor names and when verification finished (``clock.now``).
         """
         if spec.obj in self._views_served:  # a keyframe of exactly the state held here
             return await self._take_version(sm, sm.manifest.target_root, frozenset(self.state))
@@ -550,13 +523,14 @@ class RolloutPeer(NodeBase):
                 # Partly written (or written, but the engine could not take it): the state
                 # matches no known version. Sync from scratch.
                 self.version, self.root = -1, None
+                self.follower.state_lost(self.clock.now())
             self._writing = False
 
     async def _take_version(self, sm: SignedManifest, root: bytes, changed: frozenset[str]
                             ) -> tuple[frozenset[str], float]:
         """The canonical state now holds version ``sm``: update the engine at a rollout
         boundary, then save."""
-        verified_at = time.perf_counter()
+        verified_at = self.clock.now()
         async with self._engine_lock:
             if changed:
                 try:
@@ -572,111 +546,12 @@ class RolloutPeer(NodeBase):
         return changed, verified_at
 
     async def wait_version(self, version: int) -> None:
-        """Return once this peer has installed and verified ``version`` (or a later one)."""
-        async with self._version_changed:
-            await self._version_changed.wait_for(lambda: self.version >= version)
+        """Return once this peer has installed and verified ``version`` (or a later one).
 
-    # -- peers ---------------------------------------------------------------------------
-    async def _discover(self) -> None:
-        directory = getattr(self.net, "directory", None)
-        if directory is None:
-            return
-        loop = asyncio.get_running_loop()
-        # Peers whose dial failed: (when to try again, the wait that gave). The transport
-        # dials whenever asked, so dead entries of the directory are backed off here.
-        failed: dict[str, tuple[float, float]] = {}
-        while True:
-            await asyncio.sleep(self.config.discover_interval)
-            connected = self.net.connected_peers()
-            others = [p for p in connected if p != self.config.trainer]
-            if len(others) >= self.config.max_neighbours and self.config.trainer in connected:
-                continue
-            entries: Mapping[str, topics.PeerMetadata] = directory()
-            # The trainer first (when we joined through a bootstrap node), then others.
-            order = sorted(entries.items(), key=lambda kv: (kv[0] != self.config.trainer, kv[0]))
-            if len(failed) > len(entries):
-                failed = {p: f for p, f in failed.items() if p in entries}
-            for peer, meta in order:
-                if peer in connected or peer == self.net.peer_id or not meta.addrs:
-                    continue
-                retry = failed.get(peer)
-                if retry is not None and loop.time() < retry[0]:
-                    continue
-                try:
-                    await self.net.connect(meta.addrs[0])
-                except (SwarmError, OSError) as exc:
-                    log.debug("dial %s: %s", peer, exc)
-                    cap = (self.config.reconnect_max if peer == self.config.trainer
-                           else DISCOVER_RETRY_MAX)
-                    wait = min(2 * retry[1], cap) if retry else self.config.reconnect_min
-                    failed[peer] = (loop.time() + wait, wait)
-                else:
-                    failed.pop(peer, None)
-                    others.append(peer)
-                if len(others) >= self.config.max_neighbours:
-                    break
+        :raises NodeFailed: the peer stopped first.
+        """
+        async def reached() -> None:
+            async with self._version_changed:
+                await self._version_changed.wait_for(lambda: self.version >= version)
 
-    # -- leased work ---------------------------------------------------------------------
-    async def _lease_inbox_loop(self) -> None:
-        while True:
-            msg = await self.mux.recv(Channel.LEASE)
-            try:
-                decoded: LeaseMessage | bytes = decode_message(msg.payload)
-            except SwarmError:
-                decoded = msg.payload  # refused, logged and scored by receive()
-            verdict = self.leases.receive(decoded, time.time(), sender=msg.peer_id)
-            if verdict is Reason.ACCEPTED and isinstance(decoded, Lease):
-                await self._lease_inbox.put(decoded)
-
-    async def _send_lease_msg(self, data: bytes) -> None:
-        with contextlib.suppress(SwarmError):
-            await self.mux.send(Channel.LEASE, self.config.trainer, data)
-
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            now = time.time()
-            self.leases.tick(now)
-            for hb in self.leases.heartbeats(now):
-                await self._send_lease_msg(hb.encode())
-
-    async def _work(self) -> None:
-        while True:
-            if self.version < 0 or self.config.trainer not in self.net.connected_peers():
-                await asyncio.sleep(self.config.claim_retry)
-                continue
-            claim = self.leases.claim(time.time(), tokens_per_s=self._tokens_per_s,
-                                      version=self.version, want=self.config.want_tasks)
-            await self._send_lease_msg(claim.encode())
-            try:
-                lease = await asyncio.wait_for(self._lease_inbox.get(),
-                                               timeout=self.config.claim_retry * 4)
-            except TimeoutError:
-                continue
-            await self._run_lease(lease)
-
-    async def _run_lease(self, lease: Lease) -> None:
-        self._status("lease", {"lease": lease.lease_id.hex()[:12], "tasks": len(lease.tasks)})
-        results = []
-        tokens = 0
-        t0 = time.perf_counter()
-        async with self._engine_lock:
-            version = self.version
-            for task in lease.tasks:
-                sampling: Sampling = task.sampling  # the lease's settings, as signed
-                prompts = [list(task.prompt_tokens)] * task.group_size
-                outs = await asyncio.to_thread(self.engine.generate, prompts, sampling)
-                comps: tuple[Completion, ...] = tuple(outs)  # the engine's, as sent
-                tokens += sum(len(c.token_ids) for c in comps)
-                results.append(TaskResult(task.task_id, comps))
-        elapsed = max(1e-3, time.perf_counter() - t0)
-        self._tokens_per_s = 0.7 * self._tokens_per_s + 0.3 * tokens / elapsed
-        if lease.lease_id not in self.leases.held:
-            self._status("lease_lost", {"lease": lease.lease_id.hex()[:12]})
-            return
-        res = self.leases.result(lease.lease_id, version, results, time.time())
-        await self._send_lease_msg(res.encode())
-        self.tasks_done += len(results)
-        self._status("result", {"lease": lease.lease_id.hex()[:12], "tasks": len(results),
-                                "version": version, "tokens_per_s": round(tokens / elapsed, 1)})
-
+        await self.wait(reached())

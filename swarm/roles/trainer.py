@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from swarm.errors import DecodeError, SwarmError
 from swarm.identity import Identity
 from swarm.net import topics
 from swarm.protocol.exchange import Chunk, ExchangeConfig, ObjectSpec
+from swarm.protocol.follow import catch_up_reply
 from swarm.protocol.leases import (
     Accepted,
     LeaseConfig,
@@ -47,7 +47,7 @@ from swarm.protocol.leases import (
     TrainerLeases,
 )
 from swarm.roles import persist, sync
-from swarm.roles.common import Network, NodeBase
+from swarm.roles.common import Clock, Network, NodeBase
 from swarm.roles.mux import Channel
 from swarm.roles.trainer_state import TrainerState
 
@@ -122,8 +122,10 @@ class Published:
 class TrainerNode(NodeBase):
     """Seeds versions and runs the lease book. An async context manager owning its tasks."""
 
-    def __init__(self, identity: Identity, net: Network, config: TrainerConfig) -> None:
-        super().__init__(net, region=config.region, exchange_config=config.exchange)
+    def __init__(self, identity: Identity, net: Network, config: TrainerConfig,
+                 clock: Clock | None = None) -> None:
+        super().__init__(net, region=config.region, exchange_config=config.exchange,
+                         clock=clock, name="trainer")
         self.identity = identity
         self.config = config
         self.state_db = TrainerState(config.data_dir, run=config.run,
@@ -132,7 +134,8 @@ class TrainerNode(NodeBase):
         #: Whether the lease book saw a version published (by an earlier run of this node).
         self._book_published = book.last_publish is not None
         self.leases = TrainerLeases(
-            identity, config.lease_config, store=self.state_db, snapshot=book, now=time.time())
+            identity, config.lease_config, store=self.state_db, snapshot=book,
+            now=self.clock.wall())
         self.manifests: deque[SignedManifest] = deque(maxlen=config.keep_versions + 1)
         self._state: dict[str, torch.Tensor] | None = None
         #: The last published version on its own device (``extract_on="device"``).
@@ -147,11 +150,16 @@ class TrainerNode(NodeBase):
         self.restored_step = -1
 
     async def __aenter__(self) -> TrainerNode:
-        await self.start()
-        await self._restore()
-        self.spawn(self._lease_loop(), "leases")
-        self.spawn(self._lease_timer(), "lease timer")
-        self.spawn(self._sync_loop(), "sync")
+        try:
+            await self.start()
+            await self._restore()
+            self.spawn(self._lease_loop(), "leases")
+            self.spawn(self._lease_timer(), "lease timer")
+            self.spawn(self._sync_loop(), "sync")
+        except BaseException:
+            await self.stop()
+            self.state_db.close()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -196,7 +204,7 @@ class TrainerNode(NodeBase):
         for spec, held in objects:
             self.driver.add_object(spec, held)
         if self.leases.latest_version < saved.step:
-            self.leases.publish_version(saved.step, time.time())
+            self.leases.publish_version(saved.step, self.clock.wall())
         self.restored_step = saved.step
         log.info("restored step %d (%d manifests kept) from %s", saved.step,
                  len(self.manifests), self.config.data_dir)
@@ -227,7 +235,7 @@ class TrainerNode(NodeBase):
     # -- publishing --------------------------------------------------------------------
     async def publish(self, state: Mapping[str, torch.Tensor]) -> Published:
         """Extract, encode, sign and seed the next version; returns when it is announced."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         step = self.step + 1
         if self._state is None and self._book_published:
             # The saved state was lost or refused but the lease book lives on: versions
@@ -238,7 +246,7 @@ class TrainerNode(NodeBase):
         if self.config.extract_on == "device":
             on_device = {k: v.detach().contiguous().clone() for k, v in state.items()}
         dense = layout_of(snapshot).nbytes
-        now_ms = int(time.time() * 1000)
+        now_ms = int(self.clock.wall() * 1000)
         data: Mapping[int, Chunk]
         if self._state is None:
             sm = await asyncio.to_thread(keyframe_manifest, snapshot, self.identity,
@@ -264,13 +272,13 @@ class TrainerNode(NodeBase):
         self._retain()
         if sm.manifest.chunks:
             self.driver.add_object(ObjectSpec.from_manifest(sm), data)
-        self.leases.publish_version(step, time.time())
+        self.leases.publish_version(step, self.clock.wall())
         await self.net.publish(topics.manifests(self.config.run), sm.encode())
         self._lease_wake.set()
         payload = sm.manifest.total_bytes
         log.info("published step %d: %s, %d chunks, %d bytes (%.1fx)", step, sm.manifest.kind,
                  len(sm.manifest.chunks), payload, dense / max(1, payload))
-        return Published(step, sm, payload, dense, time.perf_counter() - t0)
+        return Published(step, sm, payload, dense, self.clock.now() - t0)
 
     # -- rollout work ------------------------------------------------------------------
     def add_tasks(self, prompts: Sequence[tuple[str, Sequence[int]]], *, group_size: int,
@@ -283,12 +291,14 @@ class TrainerNode(NodeBase):
         """Wait until results for ``n_tasks`` tasks were accepted; returns them.
 
         :raises TimeoutError: ``timeout`` seconds passed first.
+        :raises NodeFailed: the node stopped first (a task of it failed: the cause is
+            chained).
         """
         out: list[Accepted] = []
         got = 0
         async with asyncio.timeout(timeout):
             while got < n_tasks:
-                acc = await self._accepted.get()
+                acc = await self.wait(self._accepted.get())
                 out.append(acc)
                 got += len(acc.results)
         return out
@@ -296,7 +306,7 @@ class TrainerNode(NodeBase):
     async def _lease_loop(self) -> None:
         while True:
             msg = await self.mux.recv(Channel.LEASE)
-            replies = self.leases.handle(msg.payload, time.time(), sender=msg.peer_id)
+            replies = self.leases.handle(msg.payload, self.clock.wall(), sender=msg.peer_id)
             for acc in self.leases.take_accepted():
                 self._accepted.put_nowait(acc)
             for reply in replies:
@@ -310,7 +320,7 @@ class TrainerNode(NodeBase):
         while True:
             self._lease_wake.clear()
             deadline = self.leases.next_deadline()
-            delay = 1.0 if deadline is None else min(1.0, max(0.01, deadline - time.time()))
+            delay = 1.0 if deadline is None else min(1.0, max(0.01, deadline - self.clock.wall()))
             # A timer sets the event rather than a timeout cancelling the wait: on Python
             # 3.11 a timeout racing with stop()'s cancel can swallow the cancel.
             timer = asyncio.get_running_loop().call_later(delay, self._lease_wake.set)
@@ -318,7 +328,7 @@ class TrainerNode(NodeBase):
                 await self._lease_wake.wait()
             finally:
                 timer.cancel()
-            self.leases.tick(time.time())
+            self.leases.tick(self.clock.wall())
 
     # -- catch-up ----------------------------------------------------------------------
     async def _sync_loop(self) -> None:
@@ -342,19 +352,14 @@ class TrainerNode(NodeBase):
     async def _chain_after(self, after_step: int) -> list[SignedManifest]:
         """What a peer at ``after_step`` needs: the cheaper of the delta chain from its
         version or a keyframe of the current state (whose pieces any peer at the current
-        version can serve too)."""
-        kept = list(self.manifests)
-        if not kept:
-            return []
-        deltas = [m for m in kept if m.manifest.step > after_step]
-        chain_ok = after_step >= 0 and bool(deltas) and deltas[0].manifest.step == after_step + 1
-        if chain_ok and all(m.manifest.kind == "delta" for m in deltas):
-            dense = self._state_bytes()
-            if sum(m.manifest.total_bytes for m in deltas) < dense:
-                return deltas[:sync.MAX_MANIFESTS_PER_REPLY]
-        if after_step == kept[-1].manifest.step:
-            return []
-        return [await self._current_keyframe()]
+        version can serve too); the rule is the followers' own
+        (:func:`~swarm.protocol.follow.catch_up_reply`)."""
+        kind, chain = catch_up_reply(after_step, list(self.manifests), self._state_bytes())
+        if kind == "chain":
+            return chain[:sync.MAX_MANIFESTS_PER_REPLY]
+        if kind == "keyframe":
+            return [await self._current_keyframe()]
+        return []
 
     def _state_bytes(self) -> int:
         return 0 if self._state is None else layout_of(self._state).nbytes
@@ -378,7 +383,7 @@ class TrainerNode(NodeBase):
         state = self._state
         sm = await asyncio.to_thread(keyframe_manifest, state, self.identity, self.config.run,
                                      step, piece_size=self.config.piece_size,
-                                     time_ms=int(time.time() * 1000))
+                                     time_ms=int(self.clock.wall() * 1000))
         self.driver.add_object(ObjectSpec.from_manifest(sm),
                                piece_views(state, self.config.piece_size))
         await self.net.publish(topics.manifests(self.config.run), sm.encode())

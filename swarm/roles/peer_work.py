@@ -1,0 +1,138 @@
+"""A rollout peer's leased work: claims, the engine runs, signed results, heartbeats.
+
+Claims are sized by the peer's measured throughput and name the version it holds; a lease
+runs on the engine under the engine lock (so a version is never swapped in mid-lease);
+results go back signed. Heartbeats and local expiry are timed by the lease book
+(:meth:`~swarm.protocol.leases.PeerLeases.next_deadline`), not by a fixed tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarm.engines import RolloutEngine
+from swarm.errors import SwarmError
+from swarm.protocol.leases import (
+    Lease,
+    PeerLeases,
+    Reason,
+    TaskResult,
+    decode_message,
+)
+from swarm.protocol.leases import Message as LeaseMessage
+from swarm.roles.common import Clock
+from swarm.roles.mux import Channel, Mux
+
+log = logging.getLogger(__name__)
+
+StatusFn = Callable[[str, dict[str, object]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkConfig:
+    trainer: str
+    want_tasks: int = 4
+    claim_retry: float = 0.5
+    """Seconds to wait before claiming again after the trainer had no work."""
+
+
+class LeasedWork:
+    """Claims and runs leases for one peer. ``ready`` is set while the peer holds a
+    verified version and the trainer is connected; ``version()`` is the version held."""
+
+    def __init__(self, leases: PeerLeases, mux: Mux, engine: RolloutEngine,
+                 engine_lock: asyncio.Lock, config: WorkConfig, clock: Clock,
+                 version: Callable[[], int], status: StatusFn,
+                 on_stale: Callable[[], None]) -> None:
+        self.leases = leases
+        self.mux = mux
+        self.engine = engine
+        self.engine_lock = engine_lock
+        self.config = config
+        self.clock = clock
+        self._version = version
+        self._status = status
+        self._on_stale = on_stale
+        self.ready = asyncio.Event()
+        self._inbox: asyncio.Queue[Lease] = asyncio.Queue(64)
+        self._held_changed = asyncio.Event()
+        self._tokens_per_s = 100.0
+        self.tasks_done = 0
+
+    async def _send(self, data: bytes) -> None:
+        with contextlib.suppress(SwarmError):
+            await self.mux.send(Channel.LEASE, self.config.trainer, data)
+
+    async def inbox(self) -> None:
+        while True:
+            msg = await self.mux.recv(Channel.LEASE)
+            try:
+                decoded: LeaseMessage | bytes = decode_message(msg.payload)
+            except SwarmError:
+                decoded = msg.payload  # refused, logged and scored by receive()
+            verdict = self.leases.receive(decoded, self.clock.wall(), sender=msg.peer_id)
+            self._held_changed.set()
+            if verdict is Reason.ACCEPTED and isinstance(decoded, Lease):
+                await self._inbox.put(decoded)
+            elif verdict is Reason.STALE_VERSION:
+                self._on_stale()  # the trainer has a newer version than ours
+
+    async def heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._held_changed.clear()
+            deadline = self.leases.next_deadline()
+            timer = None if deadline is None else loop.call_later(
+                max(0.0, deadline - self.clock.wall()), self._held_changed.set)
+            try:
+                await self._held_changed.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            now = self.clock.wall()
+            self.leases.tick(now)
+            for hb in self.leases.heartbeats(now):
+                await self._send(hb.encode())
+
+    async def claims(self) -> None:
+        while True:
+            await self.ready.wait()
+            claim = self.leases.claim(self.clock.wall(), tokens_per_s=self._tokens_per_s,
+                                      version=self._version(), want=self.config.want_tasks)
+            await self._send(claim.encode())
+            try:
+                lease = await asyncio.wait_for(self._inbox.get(),
+                                               timeout=self.config.claim_retry * 4)
+            except TimeoutError:
+                continue
+            await self.run_lease(lease)
+
+    async def run_lease(self, lease: Lease) -> None:
+        self._status("lease", {"lease": lease.lease_id.hex()[:12], "tasks": len(lease.tasks)})
+        results = []
+        tokens = 0
+        t0 = self.clock.now()
+        async with self.engine_lock:
+            version = self._version()
+            for task in lease.tasks:
+                prompts = [list(task.prompt_tokens)] * task.group_size
+                # the lease's settings, as signed; the engine's completions, as sent
+                comps = tuple(await asyncio.to_thread(self.engine.generate, prompts,
+                                                      task.sampling))
+                tokens += sum(len(c.token_ids) for c in comps)
+                results.append(TaskResult(task.task_id, comps))
+        elapsed = max(1e-3, self.clock.now() - t0)
+        self._tokens_per_s = 0.7 * self._tokens_per_s + 0.3 * tokens / elapsed
+        if lease.lease_id not in self.leases.held:
+            self._status("lease_lost", {"lease": lease.lease_id.hex()[:12]})
+            return
+        res = self.leases.result(lease.lease_id, version, results, self.clock.wall())
+        await self._send(res.encode())
+        self._held_changed.set()
+        self.tasks_done += len(results)
+        self._status("result", {"lease": lease.lease_id.hex()[:12], "tasks": len(results),
+                                "version": version, "tokens_per_s": round(tokens / elapsed, 1)})
