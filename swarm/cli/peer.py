@@ -87,4 +87,6 @@ async def _main(args: argparse.Namespace) -> int:
             if args.corrupt:
                 peer.driver.corrupt_uploads = True
             await peer.closed.wait()
+            if peer.failure is not None:
+                raise peer.failure  # printed as one "swarm: error: ..." line
     return 1

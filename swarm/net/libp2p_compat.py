@@ -210,6 +210,11 @@ async def dial(host: IHost, address: str, *, fresh: bool, sockets: SocketTracker
     - ``BasicHost.connect`` returns at once when the swarm holds any connection to the
       peer, even a closed one, so every stream on it then fails. Connections that are all
       closed (or all of them, with ``fresh``) are closed with their sockets first.
+    - ``Swarm.dial_peer`` dials at most one address per transport class
+      (``MAX_ADDRS_PER_PEER``), the first the peerstore lists: a peer that came back on
+      another port (a restarted trainer listening on port 0) was dialled at its old,
+      dead address for as long as the peerstore kept it. The peer's known addresses are
+      cleared, so the address asked for is the one dialled.
     """
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
@@ -225,6 +230,7 @@ async def dial(host: IHost, address: str, *, fresh: bool, sockets: SocketTracker
         with trio.move_on_after(close_timeout), contextlib.suppress(Exception):
             await network.close_peer(info.peer_id)
         await close_socket_streams(raw)
+    host.get_peerstore().clear_addrs(info.peer_id)
     await host.connect(info)
 
 
