@@ -1,0 +1,108 @@
+"""Restarts through the ``swarm`` command, as a user does them: real processes (a bootstrap
+node, a trainer, peers) on loopback, stopped with signals and started again on their data
+dirs. After each restart every live peer verifies every version published after it came
+back, within 10 s plus the transfer time.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from swarmproc import SwarmProc, cluster, step_of, verified
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+#: A version published after a peer is back must be verified this soon (the demo's deltas
+#: are about 120 KB: the transfer time is negligible on loopback).
+CATCH_UP_S = 10.0
+
+
+def _all_published_after(trainer: SwarmProc, peer: SwarmProc, since: int, last: int) -> None:
+    """``peer`` verifies every version in ``since..last`` (each within CATCH_UP_S of it
+    being published)."""
+    for v in range(since, last + 1):
+        trainer.wait_for(lambda e, v=v: e.get("event") == "step" and step_of(e) == v, 120,
+                         f"step {v}")
+        peer.wait_for(lambda e, v=v: e.get("event") == "verified" and e["version"] >= v,
+                      CATCH_UP_S, f"verified {v}")
+
+
+@pytest.mark.parametrize("down_s", [1.0, 12.0])
+def test_peer_sigint_then_restarted_follows_every_later_version(tmp_path: Path,
+                                                                down_s: float) -> None:
+    import time
+
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", "16", "--min-peers", "2")
+        p0 = c.peer("p0", region="r1")
+        p1 = c.peer("p1", region="r2")
+        t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= 4, 120, "step 4")
+        p1.signal(signal.SIGINT)
+        assert p1.wait_exit(30) == 130
+        held = max(verified(p1))
+        time.sleep(down_s)
+        p1b = c.peer("p1", region="r2")
+        resumed = p1b.wait_event("resumed", 60)
+        assert resumed["version"] == held
+        back = max(step_of(e) for e in t.of("step")) + 1
+        _all_published_after(t, p1b, back, 16)
+        _all_published_after(t, p0, back, 16)
+        t.wait_event("done", 60)
+
+
+def test_trainer_run_again_with_more_steps_is_followed(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", "4", "--min-peers", "2", "--linger", "1")
+        p0 = c.peer("p0", region="r1")
+        p1 = c.peer("p1", region="r2")
+        t.wait_event("done", 120)
+        assert t.wait_exit(60) == 0
+        for p in (p0, p1):
+            p.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= 4, 30,
+                       "verified 4")
+        t2 = c.trainer("--steps", "7", "--min-peers", "2")
+        resumed = t2.wait_event("resumed", 60)
+        assert resumed["step"] == 4
+        for p in (p0, p1):
+            _all_published_after(t2, p, 5, 7)
+        t2.wait_event("done", 60)
+
+
+def _corrupt_chunks(data_dir: Path) -> int:
+    n = 0
+    for f in sorted((data_dir / "chunks" / "chunks").rglob("*")):
+        if f.is_file():
+            raw = bytearray(f.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            f.write_bytes(bytes(raw))
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("state", ["empty", "truncated"])
+def test_peer_with_corrupt_chunks_and_a_broken_state_file_recovers(tmp_path: Path,
+                                                                    state: str) -> None:
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", "12", "--min-peers", "2")
+        p0 = c.peer("p0", region="r1")
+        p1 = c.peer("p1", region="r2")
+        t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= 3, 120, "step 3")
+        p1.signal(signal.SIGINT)
+        assert p1.wait_exit(30) == 130
+        assert _corrupt_chunks(tmp_path / "p1") > 0
+        saved = tmp_path / "p1" / "peer.state"
+        raw = saved.read_bytes()
+        saved.write_bytes(b"" if state == "empty" else raw[: len(raw) // 3])
+        p1b = c.peer("p1", region="r2")
+        refused = p1b.wait_event("resume_refused", 60)
+        assert refused["error"]
+        back = max(step_of(e) for e in t.of("step")) + 1
+        _all_published_after(t, p1b, back, 12)
+        _all_published_after(t, p0, back, 12)
+        # and it does leased work again
+        p1b.wait_event("result", 30)
