@@ -106,3 +106,42 @@ def test_peer_with_corrupt_chunks_and_a_broken_state_file_recovers(tmp_path: Pat
         _all_published_after(t, p0, back, 12)
         # and it does leased work again
         p1b.wait_event("result", 30)
+
+
+def test_peer_back_after_longer_than_the_trainers_window_takes_a_keyframe(
+        tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", "14", "--min-peers", "2", "--keep-versions", "2")
+        p0 = c.peer("p0", region="r1")
+        p1 = c.peer("p1", region="r2")
+        t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= 3, 120, "step 3")
+        p1.signal(signal.SIGINT)
+        assert p1.wait_exit(30) == 130
+        held = max(verified(p1))
+        # the trainer moves past its window of kept deltas while p1 is down
+        t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= held + 4, 120,
+                   f"step {held + 4}")
+        p1b = c.peer("p1", region="r2")
+        assert p1b.wait_event("resumed", 60)["version"] == held
+        back = max(step_of(e) for e in t.of("step")) + 1
+        _all_published_after(t, p1b, back, 14)
+        _all_published_after(t, p0, back, 14)
+        assert any(e["kind"] == "keyframe" for e in p1b.of("verified"))
+
+
+def test_trainer_sigkilled_mid_publish_then_restarted_is_followed(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", "9", "--min-peers", "2", "--chaos-kill-mid-publish", "4")
+        p0 = c.peer("p0", region="r1")
+        p1 = c.peer("p1", region="r2")
+        assert t.wait_exit(180) == -signal.SIGKILL
+        assert not t.of("step") or max(step_of(e) for e in t.of("step")) == 3
+        t2 = c.trainer("--steps", "9", "--min-peers", "2")
+        assert t2.wait_event("resumed", 60)["step"] == 4  # written before the kill
+        for p in (p0, p1):
+            p.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= 4, 30,
+                       "verified 4 (never announced before the kill)")
+            _all_published_after(t2, p, 5, 9)
+        t2.wait_event("done", 60)

@@ -18,10 +18,13 @@ import asyncio
 import io
 import json
 import logging
+import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.cli._node import (
     add_node_arguments,
@@ -31,6 +34,9 @@ from swarm.cli._node import (
     shaped,
     stop_on_signals,
 )
+
+if TYPE_CHECKING:
+    from swarm.content.manifest import SignedManifest
 
 log = logging.getLogger(__name__)
 MASTER_FILE = "master.pt"
@@ -53,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target size of a delta chunk in KiB (the demo model is small)")
     p.add_argument("--linger", type=float, default=10.0,
                    help="seconds to keep seeding after the last step (SIGTERM ends it early)")
+    p.add_argument("--keep-versions", type=int, default=16, metavar="N",
+                   help="deltas kept for catch-up (peers further behind get a keyframe)")
+    p.add_argument("--chaos-kill-mid-publish", type=int, default=None, metavar="STEP",
+                   help="chaos: SIGKILL this process once step STEP is written to DATA_DIR, "
+                        "before it is announced (to test restarts)")
     p.add_argument("--addr-file", type=Path, default=None,
                    help="write this node's full multiaddr to FILE once listening")
 
@@ -90,7 +101,8 @@ async def _main(args: argparse.Namespace) -> int:
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
             shaped(raw, args) as net, TrainerNode(identity, net, TrainerConfig(
             run=args.run, data_dir=args.data_dir, region=args.region,
-            piece_size=1 << 16, chunk_target=args.chunk_kib << 10)) as node:
+            piece_size=1 << 16, chunk_target=args.chunk_kib << 10,
+            keep_versions=args.keep_versions)) as node:
         addr = net.listen_addresses[0]
         if args.addr_file is not None:
             tmp = args.addr_file.with_suffix(".tmp")
@@ -137,7 +149,8 @@ async def _main(args: argparse.Namespace) -> int:
                 max_grad_norm=cfg.max_grad_norm)
             await asyncio.to_thread(_save_master, ckpt_path, master, optimizer, step)
             t2 = time.perf_counter()
-            pub = await node.publish(inference_state(master, cfg.inference_dtype))
+            pub = await node.publish(inference_state(master, cfg.inference_dtype),
+                                     persisted=_chaos_kill(args.chaos_kill_mid_publish))
             holders = {a.holder for a in accepted}
             report.emit(
                 "step", step=step, reward=round(metrics.reward_mean, 4),
@@ -155,6 +168,17 @@ async def _main(args: argparse.Namespace) -> int:
         # Keep seeding so the last version reaches every peer.
         await asyncio.sleep(args.linger)
     return 0
+
+
+def _chaos_kill(step: int | None) -> Callable[[SignedManifest], None] | None:
+    if step is None:
+        return None
+
+    def kill(sm: SignedManifest) -> None:
+        if sm.manifest.step == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 def _save_master(path: Path, master: Any, optimizer: Any, step: int) -> None:

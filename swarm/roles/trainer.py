@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +88,8 @@ class TrainerConfig:
     host copy is still made, for roots, keyframes and the saved state."""
 
     def __post_init__(self) -> None:
+        if self.keep_versions < 1:
+            raise ValueError("keep_versions must be at least 1")
         if self.extract_on not in ("host", "device"):
             raise ValueError("extract_on must be 'host' or 'device'")
         if self.leases is not None and (self.leases.run != self.run
@@ -233,8 +235,14 @@ class TrainerNode(NodeBase):
                 self._chunks.drop_version(v)
 
     # -- publishing --------------------------------------------------------------------
-    async def publish(self, state: Mapping[str, torch.Tensor]) -> Published:
-        """Extract, encode, sign and seed the next version; returns when it is announced."""
+    async def publish(self, state: Mapping[str, torch.Tensor], *,
+                      persisted: Callable[[SignedManifest], None] | None = None
+                      ) -> Published:
+        """Extract, encode, sign and seed the next version; returns when it is announced.
+
+        ``persisted`` is called once the version is on disk in ``data_dir`` and before it
+        is announced (a restart from here on resumes at this version).
+        """
         t0 = self.clock.now()
         step = self.step + 1
         if self._state is None and self._book_published:
@@ -267,6 +275,8 @@ class TrainerNode(NodeBase):
                 base_root=self._root, target_root=root, time_ms=now_ms)
             data = {i: c.data for i, c in enumerate(chunks)}
         await asyncio.to_thread(self._persist, sm, data, snapshot)
+        if persisted is not None:
+            persisted(sm)
         self._state, self._root, self._device_state = snapshot, root, on_device
         self.manifests.append(sm)
         self._retain()
