@@ -1,0 +1,268 @@
+"""The download side of the exchange: which chunk to ask for, of whom, and when.
+
+Rarest-first picking with a strict endgame; requests pipelined to each neighbour's
+measured bandwidth-delay product within an in-flight window; sources chosen near and fast
+first (same region, then the estimated delivery time), with cross-region imports spread
+over the region by rendezvous rank and the trainer as source of last resort; requests a
+neighbour leaves unanswered time out and cost it a strike.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from swarm.protocol import picker
+from swarm.protocol.exchange_msgs import Cancel, Request
+from swarm.protocol.exchange_state import ExchangeState, ObjectState, PeerState
+
+
+class DownloadSide(ExchangeState):
+    """Picking, requests and their time-outs (a part of
+    :class:`~swarm.protocol.exchange.Exchange`)."""
+
+    def _timeout(self, p: PeerState) -> float:
+        expect = p.rtt + (len(p.out) + 1) * self._avg / max(p.rate, 1.0)
+        return max(self.config.request_timeout, 4.0 * expect)
+
+    def _inflight_bytes(self) -> int:
+        total = 0
+        for o in self._objects.values():
+            total += len(o.inflight) * o.avg_size
+        return total
+
+    def _room(self, p: PeerState) -> int:
+        """Requests we may still send to ``p`` (its pipeline depth less those in flight)."""
+        return 0 if p.choked_us else p.depth - len(p.out)
+
+    def _set_rate(self, p: PeerState, rate: float) -> None:
+        p.rate = rate
+        p.depth = picker.pipeline_depth(rate, p.rtt, self._avg, self.config.min_pipeline,
+                                        self.config.max_pipeline)
+
+    def _budget(self) -> int:
+        """Bytes we may still request: the in-flight window less what is in flight."""
+        cfg = self.config
+        window = min(cfg.max_inflight_bytes,
+                     max(4 * self._avg, int(cfg.download_rate * cfg.inflight_window)))
+        return window - self._inflight_bytes()
+
+    def _local_peers(self) -> list[str]:
+        """Same-region neighbours other than the trainer (cached until one comes or goes;
+        callers must not modify the list)."""
+        if self._locals is None:
+            self._locals = [p.peer for p in self._peers.values()
+                            if p.region == self.region and not p.trainer]
+        return self._locals
+
+    def _pick_one(self, o: ObjectState, idx: int, p: PeerState, now: float) -> None:
+        """``p`` announced ``idx``: request it if ``p`` can take a request and budget is
+        left (a busy ``p`` is reconsidered by the next full pick, when a slot frees)."""
+        if o.complete_at is not None or p.trainer or self._room(p) <= 0:
+            return
+        if self._budget() <= 0:
+            return
+        src = self._choose_source(o, idx, self._local_peers(), now, ())
+        if src is not None:
+            self._request(o, idx, src, now)
+
+    def _pick(self, now: float) -> None:
+        """Issue requests, rarest first, until the in-flight window is full."""
+        cfg = self.config
+        roomy = {p.peer for p in self._peers.values()
+                 if not p.choked_us and p.depth > len(p.out)}  # _room(p) > 0
+        if not roomy:
+            return
+        peers, region, import_delay = self._peers, self.region, cfg.import_delay
+        roomy_local = {h for h in roomy if peers[h].region == region and not peers[h].trainer}
+        local_peers = self._local_peers()
+        for o in self._objects.values():
+            # super-seeded chunks go first and outside the window: they are few, and
+            # the trainer's upload must not wait on a busy downloader
+            for idx in sorted(o.suggested):
+                if idx not in o.have and idx not in o.inflight:
+                    src = self._choose_source(o, idx, local_peers, now, ())
+                    if src is not None:
+                        self._request(o, idx, src, now)
+        budget = self._budget()
+        if budget <= 0:
+            return
+        for o in self._objects.values():
+            if o.complete_at is not None:
+                continue
+            wanted = [i for i in range(len(o.spec.sizes))
+                      if i not in o.have and i not in o.inflight]
+            # only chunks some neighbour with a free slot holds can be asked for now
+            # (the others wait for a slot: a piece arrival or a reject calls this again)
+            ready = [i for i in wanted if not o.holders[i].isdisjoint(roomy)]
+            order = picker.rarest_first(ready, o.local, o.availability, self._salt,
+                                        o.suggested, o.tiebreaks)
+            for idx in order:
+                if budget <= 0 or not roomy:
+                    return
+                holders = o.holders[idx]
+                if holders.isdisjoint(roomy):
+                    continue
+                if idx not in o.suggested:
+                    # shortcuts where _choose_source would return None with no effect
+                    if o.local[idx]:
+                        if holders.isdisjoint(roomy_local):
+                            continue  # in the region, every holder here busy: wait
+                    else:
+                        rank = o.ranks.get(idx)
+                        if rank is not None:
+                            # an import whose turn comes at ``early`` or later, with a
+                            # wake-up already set no later than that
+                            early = o.first_seen.get(idx, o.added_at) + rank * import_delay
+                            wake = self._wake
+                            if now < early and wake is not None and wake <= early:
+                                continue
+                src = self._choose_source(o, idx, local_peers, now, ())
+                if src is not None:
+                    self._request(o, idx, src, now)
+                    budget -= o.spec.sizes[idx]
+                    if self._room(self._peers[src]) <= 0:
+                        roomy.discard(src)
+                        roomy_local.discard(src)
+            if wanted or not o.inflight:
+                continue
+            # strict endgame: every missing chunk is requested; ask a second source for
+            # those whose source is late (cancelled at the other when one arrives)
+            for idx in sorted(o.inflight, key=o.tiebreaks.__getitem__):
+                if budget <= 0:
+                    return
+                asked = o.inflight[idx]
+                if len(asked) >= cfg.max_endgame_dups:
+                    continue
+                late_at = min(sent + cfg.endgame_late * self._eta(self._peers[q], self._avg)
+                              for q, sent in asked.items())
+                if now < late_at:
+                    self._set_wake(late_at)
+                    continue
+                src = self._choose_source(o, idx, local_peers, now, tuple(asked))
+                if src is not None:
+                    self._request(o, idx, src, now)
+                    budget -= o.spec.sizes[idx]
+
+    def _request(self, o: ObjectState, idx: int, src: str, now: float) -> None:
+        p = self._peers[src]
+        p.out[(o.spec.obj, idx)] = now
+        heapq.heappush(self._deadlines, (now + self.config.request_timeout, now, src,
+                                         o.spec.obj, idx))
+        o.inflight.setdefault(idx, {})[src] = now
+        self._out.append((src, Request(o.spec.obj, idx)))
+
+    def _eta(self, p: PeerState, size: int) -> float:
+        return p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0)
+
+    def _choose_source(self, o: ObjectState, idx: int, local_peers: list[str], now: float,
+                       exclude: tuple[str, ...]) -> str | None:
+        """The best free holder of ``idx``: a same-region peer by estimated delivery time;
+        else, when my import rank's turn has come, a peer in another region; the trainer
+        only for chunks it suggested to me, or when the swarm has stalled without them."""
+        cfg = self.config
+        size = o.spec.sizes[idx]
+        peers, region = self._peers, self.region
+        best_local: PeerState | None = None
+        best_remote: PeerState | None = None
+        local_key = remote_key = (float("inf"), 0, "")
+        trainer: PeerState | None = None
+        any_local = any_other = False
+        for h in o.holders[idx]:
+            p = peers[h]
+            # usable: not excluded and room for a request (see _room)
+            usable = not p.choked_us and p.depth > len(p.out) and h not in exclude
+            if p.trainer:
+                if usable:
+                    if idx in o.suggested:
+                        return h
+                    trainer = p
+                continue
+            any_other = True
+            is_local = p.region == region
+            if not usable:
+                any_local = any_local or is_local
+                continue
+            if is_local:
+                any_local = True
+            elif best_local is not None:
+                continue  # a local source wins over any remote one
+            # ties (equal estimates) go by a per-node hash: deterministic, and spread
+            key = (p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0), p.tie, h)
+            if is_local:
+                if key < local_key:
+                    best_local, local_key = p, key
+            elif key < remote_key:
+                best_remote, remote_key = p, key
+        if best_local is not None:
+            return best_local.peer
+        if any_local:
+            return None  # it is in the region already: wait for a local source to free up
+        if best_remote is None and (trainer is None or any_other):
+            return None
+        # an import into the region: rendezvous rank decides who goes first
+        rank = o.ranks.get(idx)
+        if rank is None:
+            # no local neighbour holds idx here, so this set only changes with neighbours
+            lacking = [(self._peers[q].key, self._peers[q].upload or 1.0) for q in local_peers]
+            rank = o.ranks[idx] = picker.import_rank(
+                (self._key, self.config.upload_rate or 1.0), idx, o.spec.obj, lacking)
+        if best_remote is not None:
+            # give the previous rank time to ask, queue and receive it
+            wait = max(cfg.import_delay,
+                       4 * best_remote.rtt + 2 * size / max(best_remote.rate, 1.0))
+        else:
+            wait = cfg.import_delay
+        ready = o.first_seen.get(idx, o.added_at) + rank * wait
+        if best_remote is not None:
+            if now >= ready:
+                return best_remote.peer
+            self._set_wake(ready)
+            return None
+        assert trainer is not None
+        ready = max(ready, o.last_progress + cfg.last_resort_delay)
+        if now >= ready:
+            return trainer.peer
+        self._set_wake(ready)
+        return None
+
+    def _set_wake(self, t: float) -> None:
+        if self._wake is None or t < self._wake:
+            self._wake = t
+            self._timer_earlier = True
+
+    def _live_deadline(self, entry: tuple[float, float, str, bytes, int]) -> bool:
+        _, sent, peer, obj, idx = entry
+        p = self._peers.get(peer)
+        return p is not None and p.out.get((obj, idx)) == sent
+
+    def _expire_requests(self, now: float) -> list[PeerState]:
+        """Cancel the requests past their time-out; each neighbour that had some takes a
+        strike and half its rate. Returns the neighbours at ``max_strikes`` (to drop)."""
+        late: dict[str, list[tuple[bytes, int]]] = {}
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            entry = heapq.heappop(dl)
+            if not self._live_deadline(entry):
+                continue
+            _, sent, peer, obj, idx = entry
+            limit = sent + self._timeout(self._peers[peer])
+            if now >= limit:
+                late.setdefault(peer, []).append((obj, idx))
+            else:
+                heapq.heappush(dl, (limit, sent, peer, obj, idx))
+        out: list[PeerState] = []
+        for peer, expired in late.items():
+            p = self._peers.get(peer)
+            if p is None:
+                continue
+            for obj, idx in expired:
+                del p.out[(obj, idx)]
+                self._out.append((p.peer, Cancel(obj, idx)))
+                o = self._objects.get(obj)
+                if o is not None:
+                    self._drop_inflight(o, idx, p.peer)
+            p.strikes += 1
+            self._set_rate(p, p.rate / 2)
+            if p.strikes >= self.config.max_strikes:
+                out.append(p)
+        return out

@@ -1,0 +1,114 @@
+"""The exchange's state: one :class:`ObjectState` per object, one :class:`PeerState` per
+neighbour, and :class:`ExchangeState`, the fields and small helpers that the download side
+(:mod:`swarm.protocol.exchange_download`), the upload side
+(:mod:`swarm.protocol.exchange_upload`) and the core (:class:`swarm.protocol.exchange.Exchange`,
+which initialises them) share."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from swarm.protocol.exchange_msgs import Message
+from swarm.protocol.exchange_types import Chunk, Event, ExchangeConfig, ObjectSpec, Verifier
+
+
+@dataclass(slots=True)
+class ObjectState:
+    spec: ObjectSpec
+    added_at: float
+    have: set[int]
+    data: dict[int, Chunk]
+    availability: list[int]
+    local: list[int]
+    holders: list[set[str]]
+    inflight: dict[int, dict[str, float]] = field(default_factory=dict)
+    first_seen: dict[int, float] = field(default_factory=dict)
+    suggested: set[int] = field(default_factory=set)
+    ranks: dict[int, int] = field(default_factory=dict)
+    importers: dict[tuple[str, int], int | None] = field(default_factory=dict)
+    complete_at: float | None = None
+    avg_size: int = 1
+    last_progress: float = 0.0
+    last_chunk: float = 0.0
+    # super-seeding (trainer side): times each chunk was suggested, suggestions pending
+    times_suggested: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    tiebreaks: list[int] = field(default_factory=list)
+    """``picker.tiebreak(salt, i)`` of every chunk ``i`` (fixed per node and object)."""
+
+    @property
+    def missing(self) -> int:
+        return len(self.spec.sizes) - len(self.have)
+
+
+@dataclass(slots=True)
+class PeerState:
+    peer: str
+    region: str
+    rtt: float
+    trainer: bool
+    rate: float
+    haves: dict[bytes, set[int]] = field(default_factory=dict)
+    choked_us: bool = True
+    we_choke: bool = True
+    optimistic: bool = False
+    out: dict[tuple[bytes, int], float] = field(default_factory=dict)
+    queue: deque[tuple[bytes, int]] = field(default_factory=deque)
+    suggested_to: dict[bytes, set[int]] = field(default_factory=dict)
+    last_arrival: float = 0.0
+    got_recent: int = 0
+    sent_recent: int = 0
+    bytes_from: int = 0
+    bytes_to: int = 0
+    strikes: int = 0
+    key: int = 0
+    tie: int = 0
+    """``key`` mixed with our salt: breaks ties between equal delivery estimates."""
+    depth: int = 2
+    upload: float = 0.0
+    download: float = 0.0
+
+class ExchangeState:
+    """The state of one node's exchange (set up by :class:`~swarm.protocol.exchange.Exchange`)."""
+
+    me: str
+    region: str
+    config: ExchangeConfig
+    _rng: random.Random
+    _salt: int
+    _key: int
+    _verify: Verifier
+    _objects: dict[bytes, ObjectState]
+    _peers: dict[str, PeerState]
+    _banned: set[str]
+    _out: list[tuple[str, Message]]
+    """Control messages to send, as (neighbour, message)."""
+    _ready: set[str]
+    """Neighbours with pieces queued for upload since the driver last asked."""
+    _events: list[Event]
+    _next_rechoke: float
+    _rechokes: int
+    _wake: float | None
+    _timer_earlier: bool
+    """A timer earlier than :meth:`next_timer` last said was set (see ``pending``)."""
+    _deadlines: list[tuple[float, float, str, bytes, int]]
+    """(earliest possible deadline, sent time, peer, obj, index) of requests in flight."""
+    _avg: int
+    _locals: list[str] | None
+    """Same-region neighbours (see ``_local_peers``); ``None`` until computed."""
+    bytes_up: int
+    bytes_down: int
+    bytes_wasted: int
+    bans: list[tuple[str, str]]
+
+    def _is_local(self, p: PeerState) -> bool:
+        return p.region == self.region and not p.trainer
+
+    def _drop_inflight(self, o: ObjectState, idx: int, peer: str) -> None:
+        srcs = o.inflight.get(idx)
+        if srcs is not None:
+            srcs.pop(peer, None)
+            if not srcs:
+                del o.inflight[idx]

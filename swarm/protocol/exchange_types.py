@@ -1,0 +1,143 @@
+"""The exchange's vocabulary: what it exchanges (:class:`ObjectSpec`), how it is tuned
+(:class:`ExchangeConfig`) and what it reports (the events). Pure data, no logic beyond
+validation; :mod:`swarm.protocol.exchange` re-exports every name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from swarm.content.ids import chunk_id
+from swarm.content.manifest import SignedManifest
+
+Chunk = bytes | memoryview
+"""A chunk held for serving: received bytes, or a read-only view of a state held here."""
+Verifier = Callable[[bytes, Chunk], bool]
+
+#: Objects not (yet) known here whose haves one neighbour may make us remember.
+MAX_UNKNOWN_OBJECTS = 8
+
+
+def blake3_verifier(cid: bytes, data: Chunk) -> bool:
+    """The default check: the BLAKE3 digest of ``data`` is ``cid``."""
+    return chunk_id(data) == cid
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectSpec:
+    """One object to exchange: a delta's chunks, or a state's pieces (for catch-up)."""
+
+    obj: bytes  #: 32-byte object id (the signed manifest id, for example)
+    chunk_ids: tuple[bytes, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.obj) != 32 or len(self.chunk_ids) != len(self.sizes):
+            raise ValueError("object id is 32 bytes; one size per chunk id")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes)
+
+    @classmethod
+    def from_manifest(cls, signed: SignedManifest) -> ObjectSpec:
+        m = signed.manifest
+        return cls(signed.id, tuple(c for c, _ in m.chunks), tuple(s for _, s in m.chunks))
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeConfig:
+    """Tuning of one node's exchange. Times in seconds, rates in bytes per second."""
+
+    upload_slots: int = 8
+    """Neighbours unchoked at once (including the optimistic one)."""
+    remote_slots: int = 3
+    """Of ``upload_slots``, at most this many go to neighbours in other regions (the
+    in-region spread needs the rest)."""
+    unchoke_all: bool = False
+    """Serve every neighbour (the trainer: its load is governed by super-seeding)."""
+    rechoke_interval: float = 0.5
+    """How often the unchoke set is re-ranked."""
+    optimistic_every: int = 3
+    """Rotate the optimistic unchoke every this many re-rankings."""
+    min_pipeline: int = 2
+    """Fewest requests kept in flight to a neighbour that has what we need."""
+    max_pipeline: int = 16
+    """Most requests in flight to one neighbour."""
+    max_inflight_bytes: int = 64 << 20
+    """Bound on requested-but-not-received bytes over all neighbours."""
+    download_rate: float = 100e6
+    """This node's download capacity, as far as it knows; sizes the in-flight window."""
+    upload_rate: float = 0.0
+    """This node's upload capacity as it advertises it (0: unknown); weighs its share of
+    imports into its region (neighbours pass theirs to :meth:`Exchange.connect`)."""
+    inflight_window: float = 0.25
+    """Seconds of ``download_rate`` kept requested (at least four chunks)."""
+    initial_rate: float = 20e6
+    """Assumed rate of a neighbour before any piece from it was timed."""
+    rate_alpha: float = 0.3
+    """Weight of the newest sample in the per-neighbour rate average."""
+    request_timeout: float = 3.0
+    """Least time to wait for a requested piece (longer when the pipeline is deep)."""
+    max_strikes: int = 3
+    """Time-outs after which a neighbour is dropped (the driver may find a replacement)."""
+    max_queue: int = 64
+    """Requests queued from one neighbour; more are rejected."""
+    import_delay: float = 0.15
+    """Extra wait per import rank before fetching a chunk from another region."""
+    last_resort_delay: float = 1.0
+    """How long the swarm must make no progress on an object before a chunk that nobody
+    else offers is asked of the trainer."""
+    super_seed: bool = False
+    """Hand each neighbour chunks few others hold (the trainer)."""
+    suggest_depth: int = 1
+    """Super-seeding: suggestions outstanding per neighbour."""
+    suggest_total: int = 32
+    """Super-seeding: suggestions outstanding over all neighbours (about the uplink's
+    bandwidth-delay product in chunks)."""
+    super_seed_budget: float = 1.2
+    """Super-seeding: stop re-suggesting held chunks once uploads reach this many payloads."""
+    max_endgame_dups: int = 2
+    """Endgame: at most this many sources asked for one chunk at once."""
+    endgame_late: float = 2.0
+    """Endgame: a request is late after this many times its expected delivery time."""
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkStored:
+    """A chunk arrived and verified; ``data`` is ready to persist or patch."""
+
+    obj: bytes
+    index: int
+    data: bytes
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectComplete:
+    """Every chunk of ``obj`` is held."""
+
+    obj: bytes
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeerBanned:
+    """A neighbour misbehaved (bad chunk, malformed message); drop and never re-admit it."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerTimedOut:
+    """A neighbour stopped answering; it was dropped and may be replaced."""
+
+    peer: str
+
+
+Event = ChunkStored | ObjectComplete | PeerBanned | PeerTimedOut
+

@@ -1,0 +1,213 @@
+"""The upload side of the exchange: whom to serve, and what to hand out.
+
+Upload slots with choke/unchoke, re-ranked periodically, and an optimistic unchoke;
+requests queued per neighbour (bounded) and served when the driver's link can take a
+piece; super-seeding on the trainer (each neighbour is handed chunks few others hold, the
+first copy going to the region's importer).
+"""
+
+from __future__ import annotations
+
+from swarm.protocol import picker
+from swarm.protocol.exchange_msgs import Choke, Piece, Reject, Request, Suggest, Unchoke
+from swarm.protocol.exchange_state import ExchangeState, ObjectState, PeerState
+
+
+class UploadSide(ExchangeState):
+    """Choking, upload queues and super-seeding (a part of
+    :class:`~swarm.protocol.exchange.Exchange`)."""
+
+    def next_upload(self, peer: str, now: float) -> Piece | None:
+        """The next piece queued for ``peer``, or ``None``; call when its link is free."""
+        p = self._peers.get(peer)
+        if p is None:
+            return None
+        while p.queue:
+            obj, idx = p.queue.popleft()
+            o = self._objects.get(obj)
+            if o is None or idx not in o.have:
+                continue
+            data = o.data[idx]
+            p.bytes_to += len(data)
+            p.sent_recent += len(data)
+            self.bytes_up += len(data)
+            return Piece(obj, idx, data)
+        return None
+
+    def upload_priority(self, peer: str) -> int:
+        """Which connection a driver should feed first when several have pieces queued:
+        the neighbour holding the fewest chunks (lowest value). The most-behind peer
+        decides when everybody is done, so it is served first. (Ranking by download time
+        left instead, which favours slow links, measured worse: it starves the fast peers
+        that spread chunks through their regions.)"""
+        p = self._peers.get(peer)
+        if p is None:
+            return 1 << 62
+        return sum(len(p.haves.get(obj, ())) for obj in self._objects)
+
+    def upload_queued(self, peer: str) -> int:
+        p = self._peers.get(peer)
+        return 0 if p is None else len(p.queue)
+
+    def _on_request(self, p: PeerState, msg: Request, now: float) -> None:
+        o = self._objects.get(msg.obj)
+        if (o is None or msg.index not in o.have or p.we_choke
+                or len(p.queue) >= self.config.max_queue):
+            self._out.append((p.peer, Reject(msg.obj, msg.index)))
+            return
+        if (msg.obj, msg.index) in p.queue:
+            return
+        p.queue.append((msg.obj, msg.index))
+        self._ready.add(p.peer)
+
+    def _interested(self, p: PeerState) -> bool:
+        """Does ``p`` lack something we hold?"""
+        for obj, o in self._objects.items():
+            theirs = p.haves.get(obj)
+            if theirs is None:
+                continue  # not announced yet: they do not know the object
+            if len(o.have) > len(theirs) or not o.have <= theirs:
+                return True
+        return False
+
+    def _update_interest(self, now: float) -> None:
+        """Fill free upload slots at once (the periodic re-ranking is in _rechoke)."""
+        if self.config.unchoke_all:
+            return
+        unchoked = [p for p in self._peers.values() if not p.we_choke]
+        for p in unchoked:
+            if not self._interested(p) and not p.queue:
+                self._set_choke(p, True)
+        used = [p for p in self._peers.values() if not p.we_choke]
+        room = self.config.upload_slots - len(used)
+        if room <= 0:
+            return
+        remote_used = sum(1 for p in used if p.region != self.region)
+        candidates = [p for p in self._peers.values() if p.we_choke and self._interested(p)]
+        self._rng.shuffle(candidates)
+        candidates.sort(key=lambda p: -p.got_recent)
+        remote_room = max(0, self.config.remote_slots - remote_used)
+        for p in candidates:
+            if room <= 0:
+                break
+            if p.region != self.region:
+                if remote_room <= 0:
+                    continue
+                remote_room -= 1
+            self._set_choke(p, False)
+            room -= 1
+
+    def _set_choke(self, p: PeerState, choke: bool) -> None:
+        if p.we_choke == choke:
+            return
+        p.we_choke = choke
+        if choke:
+            p.optimistic = False
+            self._out.append((p.peer, Choke()))
+            for obj, idx in p.queue:
+                self._out.append((p.peer, Reject(obj, idx)))
+            p.queue.clear()
+        else:
+            self._out.append((p.peer, Unchoke()))
+
+    def _rechoke(self, now: float) -> None:
+        """Re-rank: keep the neighbours that serve us best (or that we serve fastest when
+        we hold everything), one optimistic unchoke rotating among the rest."""
+        self._rechokes += 1
+        if self.config.unchoke_all:
+            for p in self._peers.values():
+                p.got_recent = p.sent_recent = 0
+            return
+        seeding = all(o.complete_at is not None for o in self._objects.values())
+        interested = [p for p in self._peers.values() if self._interested(p)]
+        self._rng.shuffle(interested)
+        interested.sort(key=lambda p: -(p.sent_recent if seeding else p.got_recent))
+        slots = max(1, self.config.upload_slots - 1)
+        remote_cap = self.config.remote_slots
+        keep: set[str] = set()
+        n_remote = 0
+        for p in interested:
+            if len(keep) >= slots:
+                break
+            if p.region != self.region:
+                if n_remote >= remote_cap:
+                    continue
+                n_remote += 1
+            keep.add(p.peer)
+        rotate = self._rechokes % self.config.optimistic_every == 1
+        current_opt = [p for p in self._peers.values() if p.optimistic and not p.we_choke]
+        rest = [p for p in interested if p.peer not in keep]
+        if current_opt and not rotate and current_opt[0] in rest:
+            keep.add(current_opt[0].peer)
+        elif rest:
+            opt = self._rng.choice(rest)
+            keep.add(opt.peer)
+            for p in self._peers.values():
+                p.optimistic = False
+            opt.optimistic = True
+        for p in self._peers.values():
+            self._set_choke(p, p.peer not in keep)
+            p.got_recent = p.sent_recent = 0
+        self._update_interest(now)
+
+    def _importer(self, o: ObjectState, p: PeerState, idx: int) -> int | None:
+        key = (p.region, idx)
+        if key not in o.importers:
+            members = [(q.key, q.upload or 1.0) for q in self._peers.values()
+                       if q.region == p.region and not q.trainer]
+            o.importers[key] = picker.importer(idx, o.spec.obj, members)
+        return o.importers[key]
+
+    def _super_seed(self, now: float) -> None:
+        """Trainer: keep neighbours busy with chunks that few others hold."""
+        if not self.config.super_seed:
+            return
+        for o in self._objects.values():
+            if o.missing:
+                continue
+            peers = list(self._peers.values())
+            self._rng.shuffle(peers)
+            # far neighbours first: their requests take longest to come back
+            peers.sort(key=lambda p: (len(p.suggested_to.get(o.spec.obj, ())), -p.rtt))
+            for p in peers:
+                if sum(o.pending) >= self.config.suggest_total:
+                    break
+                self._suggest_to(p, o)
+
+    def _suggest_to(self, p: PeerState, o: ObjectState) -> None:
+        """Top up ``p``'s suggestions: chunks never handed out first, then (within the
+        upload budget) chunks held by at most one neighbour."""
+        cfg = self.config
+        theirs = p.haves.get(o.spec.obj)
+        n = len(o.spec.sizes)
+        if o.missing or theirs is None or len(theirs) >= n or p.we_choke:
+            return
+        outstanding = p.suggested_to.setdefault(o.spec.obj, set())
+        for i in outstanding & theirs:
+            o.pending[i] -= 1
+        outstanding -= theirs
+        # one suggestion each at least (far neighbours announce themselves last), more
+        # while the total stays under suggest_total
+        want = min(cfg.suggest_depth - len(outstanding),
+                   max(1 - len(outstanding), cfg.suggest_total - sum(o.pending)))
+        if want <= 0:
+            return
+        owed = self.bytes_up + sum(o.pending) * o.avg_size
+        budget_left = owed < cfg.super_seed_budget * o.spec.total_bytes
+        # A first copy goes to the peer its region would pick to import the chunk (the
+        # rendezvous rank the peers compute), so the trainer's copy doubles as that
+        # region's import and no region-mate also fetches it over the WAN.
+        fresh = [i for i in range(n) if o.times_suggested[i] == 0 and i not in theirs]
+        cands = [i for i in fresh if self._importer(o, p, i) == p.key]
+        if not cands and budget_left:
+            cands = [i for i in range(n) if i not in theirs and i not in outstanding
+                     and o.pending[i] == 0 and o.availability[i] <= 1]
+        if not cands and not outstanding:
+            cands = fresh  # keep it busy with anything not handed out yet
+        cands.sort(key=lambda i: (o.times_suggested[i], o.availability[i],
+                                  o.tiebreaks[i]))
+        for i in cands[:want]:
+            outstanding.add(i)
+            o.times_suggested[i] += 1
+            o.pending[i] += 1
+            self._out.append((p.peer, Suggest(o.spec.obj, i)))
