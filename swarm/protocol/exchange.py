@@ -56,6 +56,7 @@ from swarm.protocol.exchange_msgs import (
 )
 from swarm.protocol.exchange_state import ObjectState, PeerState
 from swarm.protocol.exchange_types import (
+    MAX_UNKNOWN_BITS,
     MAX_UNKNOWN_OBJECTS,
     Chunk,
     ChunkStored,
@@ -64,6 +65,7 @@ from swarm.protocol.exchange_types import (
     ObjectComplete,
     ObjectSpec,
     PeerBanned,
+    PeerPenalized,
     PeerTimedOut,
     Verifier,
     blake3_verifier,
@@ -71,6 +73,7 @@ from swarm.protocol.exchange_types import (
 from swarm.protocol.exchange_upload import UploadSide
 
 __all__ = [
+    "MAX_UNKNOWN_BITS",
     "MAX_UNKNOWN_OBJECTS",
     "Chunk",
     "ChunkStored",
@@ -80,6 +83,7 @@ __all__ = [
     "ObjectComplete",
     "ObjectSpec",
     "PeerBanned",
+    "PeerPenalized",
     "PeerTimedOut",
     "Verifier",
     "blake3_verifier",
@@ -172,7 +176,15 @@ class Exchange(DownloadSide, UploadSide):
             self._set_rate(q, q.rate)
         for p in self._peers.values():
             self._send_bitfield(p, o)
-            for idx in p.haves.get(spec.obj, ()):
+            theirs = p.haves.get(spec.obj)
+            if theirs is None:
+                continue
+            p.unknown_bits -= len(theirs)
+            past = [idx for idx in theirs if idx >= n]
+            if past:  # announced before the manifest came, and shown false by it
+                theirs.difference_update(past)
+                self._penalize(p, f"{len(past)} haves past the end of an object")
+            for idx in theirs:
                 self._add_holder(o, idx, p, now)
         self._update_interest(now)
         self._pick(now)
@@ -278,7 +290,9 @@ class Exchange(DownloadSide, UploadSide):
 
     def handle_timer(self, now: float) -> None:
         for p in self._expire_requests(now):
-            log.info("%s: neighbour %s timed out", self.me, p.peer)
+            reason = f"{p.unanswered} requests unanswered over {p.strikes} time-outs"
+            log.info("%s: dropping neighbour %s: %s", self.me, p.peer, reason)
+            self._events.append(PeerPenalized(p.peer, reason))
             self._events.append(PeerTimedOut(p.peer))
             self.disconnect(p.peer, now)
         if now >= self._next_rechoke:
@@ -351,14 +365,28 @@ class Exchange(DownloadSide, UploadSide):
                 raise RemoteProtocolError("bitfield: wrong chunk count")
             if o is None and not self._may_track(p, msg.obj):
                 return
-            idxs = indices_of(msg.bits, msg.count)
             old = p.haves.get(msg.obj, set())
+            if o is None:
+                # an object not known here: within the allowance only (counted before
+                # the bits are unpacked: a full summary of 2^18 bits is 16 MB of set)
+                room = MAX_UNKNOWN_BITS - p.unknown_bits + len(old)
+                if int.from_bytes(msg.bits, "little").bit_count() > room:
+                    self._over_allowance(p)
+                    return
+                idxs = indices_of(msg.bits, msg.count)
+                new = old | idxs
+                if len(new) > room:
+                    self._over_allowance(p)
+                    return
+                p.unknown_bits += len(new) - len(old)
+                p.haves[msg.obj] = new
+                return
+            idxs = indices_of(msg.bits, msg.count)
             p.haves[msg.obj] = old | idxs
-            if o is not None:
-                for idx in idxs - old:
-                    self._add_holder(o, idx, p, now)
-                if self.config.super_seed:
-                    self._suggest_to(p, o)
+            for idx in idxs - old:
+                self._add_holder(o, idx, p, now)
+            if self.config.super_seed:
+                self._suggest_to(p, o)
             self._update_interest(now)
             self._pick(now)
         elif isinstance(msg, Request):
@@ -399,6 +427,10 @@ class Exchange(DownloadSide, UploadSide):
                 raise RemoteProtocolError("chunk index past the object's end")
         elif not self._may_track(p, obj):
             return
+        elif p.unknown_bits >= MAX_UNKNOWN_BITS:
+            if idx not in p.haves.get(obj, ()):
+                self._over_allowance(p)
+            return
         s = p.haves.get(obj)
         if s is None:
             s = p.haves[obj] = set()
@@ -406,6 +438,7 @@ class Exchange(DownloadSide, UploadSide):
             return
         s.add(idx)
         if o is None:
+            p.unknown_bits += 1
             return
         holders = o.holders[idx]
         if p.peer not in holders:  # _add_holder, inlined
@@ -441,7 +474,9 @@ class Exchange(DownloadSide, UploadSide):
         self.bytes_down += size
         p.bytes_from += size
         p.got_recent += size
-        p.strikes = 0
+        if p.strikes:
+            p.strikes = p.unanswered = 0
+            self._set_rate(p, p.rate)  # no longer snubbed: its full pipeline again
         start = max(requested if requested is not None else now, p.last_arrival)
         p.last_arrival = now
         if now > start:
@@ -470,6 +505,19 @@ class Exchange(DownloadSide, UploadSide):
             log.debug("%s: object %s complete at %.3f", self.me[:8], msg.obj.hex()[:8], now)
         self._update_interest(now)
         self._pick(now)
+
+    def _penalize(self, p: PeerState, reason: str) -> None:
+        """Score ``p`` down (the driver carries it out) but keep it."""
+        log.info("%s: penalizing %s: %s", self.me, p.peer, reason)
+        self._events.append(PeerPenalized(p.peer, reason))
+
+    def _over_allowance(self, p: PeerState) -> None:
+        """``p`` announced more chunks of objects unknown here than we remember: they are
+        dropped, and it is scored once a connection (not the trainer: it keeps many
+        versions and is trusted)."""
+        if not p.over_allowance and not p.trainer:
+            p.over_allowance = True
+            self._penalize(p, f"haves of unknown objects past {MAX_UNKNOWN_BITS} chunks")
 
     def _ban(self, peer: str, reason: str, now: float) -> None:
         if peer in self._banned:

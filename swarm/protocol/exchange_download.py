@@ -15,6 +15,9 @@ from swarm.protocol import picker
 from swarm.protocol.exchange_msgs import Cancel, Request
 from swarm.protocol.exchange_state import ExchangeState, ObjectState, PeerState
 
+_SNUBBED = 1e9
+"""Seconds added to a snubbed neighbour's estimated delivery time."""
+
 
 class DownloadSide(ExchangeState):
     """Picking, requests and their time-outs (a part of
@@ -36,8 +39,11 @@ class DownloadSide(ExchangeState):
 
     def _set_rate(self, p: PeerState, rate: float) -> None:
         p.rate = rate
-        p.depth = picker.pipeline_depth(rate, p.rtt, self._avg, self.config.min_pipeline,
-                                        self.config.max_pipeline)
+        # snubbed (it let requests time out, none delivered since): one request at a time,
+        # so a neighbour that advertises and never serves holds back one chunk, not a
+        # pipeline of them
+        p.depth = 1 if p.strikes else picker.pipeline_depth(
+            rate, p.rtt, self._avg, self.config.min_pipeline, self.config.max_pipeline)
 
     def _budget(self) -> int:
         """Bytes we may still request: the in-flight window less what is in flight."""
@@ -186,8 +192,10 @@ class DownloadSide(ExchangeState):
                 any_local = True
             elif best_local is not None:
                 continue  # a local source wins over any remote one
-            # ties (equal estimates) go by a per-node hash: deterministic, and spread
-            key = (p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0), p.tie, h)
+            # ties (equal estimates) go by a per-node hash: deterministic, and spread; a
+            # snubbed neighbour only when no other holder is free
+            key = (p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0)
+                   + (_SNUBBED if p.strikes else 0.0), p.tie, h)
             if is_local:
                 if key < local_key:
                     best_local, local_key = p, key
@@ -237,7 +245,8 @@ class DownloadSide(ExchangeState):
 
     def _expire_requests(self, now: float) -> list[PeerState]:
         """Cancel the requests past their time-out; each neighbour that had some takes a
-        strike and half its rate. Returns the neighbours at ``max_strikes`` (to drop)."""
+        strike and half its rate, and is snubbed until it delivers. Returns the neighbours
+        at ``max_strikes`` (to drop)."""
         late: dict[str, list[tuple[bytes, int]]] = {}
         dl = self._deadlines
         while dl and dl[0][0] <= now:
@@ -262,6 +271,7 @@ class DownloadSide(ExchangeState):
                 if o is not None:
                     self._drop_inflight(o, idx, p.peer)
             p.strikes += 1
+            p.unanswered += len(expired)
             self._set_rate(p, p.rate / 2)
             if p.strikes >= self.config.max_strikes:
                 out.append(p)

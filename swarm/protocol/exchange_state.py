@@ -63,6 +63,14 @@ class PeerState:
     bytes_from: int = 0
     bytes_to: int = 0
     strikes: int = 0
+    """Time-outs since it last delivered a piece; while above 0 it is snubbed: one
+    request in flight at most, and the last choice of source."""
+    unanswered: int = 0
+    """Requests it let time out since it last delivered a piece."""
+    unknown_bits: int = 0
+    """Chunk indices remembered from it for objects not known here (MAX_UNKNOWN_BITS)."""
+    over_allowance: bool = False
+    """It was scored for haves past the allowance (once a connection)."""
     key: int = 0
     tie: int = 0
     """``key`` mixed with our salt: breaks ties between equal delivery estimates."""

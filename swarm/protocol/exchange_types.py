@@ -16,6 +16,11 @@ Verifier = Callable[[bytes, Chunk], bool]
 
 #: Objects not (yet) known here whose haves one neighbour may make us remember.
 MAX_UNKNOWN_OBJECTS = 8
+#: Chunks of such objects one neighbour may make us remember, over all of them (a set
+#: entry costs about 60 bytes: at most about 4 MB a neighbour). Each one's count is
+#: bounded by the decoder (``MAX_CHUNKS_PER_OBJECT``, the manifest's ``MAX_CHUNKS``); a
+#: real delta of 1 MiB chunks has this many chunks only at 64 GiB.
+MAX_UNKNOWN_BITS = 1 << 16
 
 
 def blake3_verifier(cid: bytes, data: Chunk) -> bool:
@@ -139,5 +144,15 @@ class PeerTimedOut:
     peer: str
 
 
-Event = ChunkStored | ObjectComplete | PeerBanned | PeerTimedOut
+@dataclass(frozen=True, slots=True)
+class PeerPenalized:
+    """A neighbour misbehaved in a way that costs it score but not (yet) its connection:
+    haves past an allowance, requests it advertised and never served. The driver scores
+    it down (a transport bans a peer whose score falls low enough)."""
+
+    peer: str
+    reason: str
+
+
+Event = ChunkStored | ObjectComplete | PeerBanned | PeerTimedOut | PeerPenalized
 

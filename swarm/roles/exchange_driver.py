@@ -22,6 +22,7 @@ from swarm.protocol.exchange import (
     ObjectComplete,
     ObjectSpec,
     PeerBanned,
+    PeerPenalized,
     PeerTimedOut,
 )
 from swarm.protocol.exchange_msgs import Message as ExchangeMessage
@@ -150,6 +151,9 @@ class ExchangeDriver:
         elif isinstance(ev, PeerBanned):
             log.warning("banned %s: %s", ev.peer, ev.reason)
             self.mux.transport.penalize(ev.peer, ev.reason)
+        elif isinstance(ev, PeerPenalized):
+            # scored, not dropped: the core keeps or drops it; a low score bans it
+            self.mux.transport.penalize(ev.peer, ev.reason, disconnect=False)
         elif isinstance(ev, PeerTimedOut):
             log.info("neighbour %s timed out", ev.peer)
         if self._on_event is not None:
