@@ -49,8 +49,32 @@ class GossipConfig:
     outbound_queue_depth: int = 4096
     #: Validated messages queued per subscription; beyond it the newest are dropped.
     queue_depth: int = 1024
-    #: Seconds a message id is remembered (duplicates dropped).
+    #: Seconds a message id is remembered (duplicates dropped). It only deduplicates
+    #: (it delivers nothing); it must outlast the message cache below.
     seen_ttl: int = 120
+    #: Heartbeats of messages advertised (IHAVE) and replayed to a peer that subscribes
+    #: (py-libp2p's ``send_recent_messages`` hands a new subscriber the whole window).
+    gossip_window: int = 3
+    #: Heartbeats of messages kept to answer IWANT; also the age past which messages
+    #: queued for a peer that has not subscribed yet are dropped. A newcomer is handed
+    #: nothing older than ``gossip_history * heartbeat_interval`` seconds
+    #: (:attr:`max_replay_age`).
+    gossip_history: int = 5
+    #: Score penalties (in units of ``ScoreConfig.penalty``) per rejected message charged
+    #: to the peer that forwarded it.
+    invalid_weight: float = 1.0
+
+    @property
+    def max_replay_age(self) -> float:
+        """Seconds: the oldest message gossipsub hands a newcomer (replay, IWANT, or the
+        queue of a peer not subscribed yet)."""
+        return float(self.gossip_history * self.heartbeat_interval)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gossip_window <= self.gossip_history:
+            raise ValueError("need 1 <= gossip_window <= gossip_history")
+        if self.seen_ttl < self.max_replay_age:
+            raise ValueError("seen_ttl must outlast the message cache")
 
 
 class Libp2pSubscription:
@@ -73,20 +97,31 @@ class Libp2pSubscription:
         return self._topic
 
     def _validate(self, forwarder: Any, msg: Any) -> bool:
+        """py-libp2p's sync topic validator: ``forwarder`` is the peer that sent us the
+        message (``Pubsub.push_msg``), ``msg`` the signed pubsub message. py-libp2p runs
+        it once per message id (its ``ValidationCache``), also on our own publications."""
+        reason = ""
         if len(msg.data) > self.gossip.config.max_message_bytes:
-            self.rejected += 1
-            return False
-        if self.validator is None:
+            reason = f"gossip on {self._topic}: {len(msg.data)} bytes over the bound"
+        elif list(msg.topicIDs) != [self._topic]:
+            # A message on several topics is forwarded on all of them after passing one
+            # validator: it could carry a valid peers envelope onto the manifests topic
+            # and get this node scored down by the manifests' receivers.
+            reason = f"gossip on several topics {list(msg.topicIDs)!r}"
+        elif self.validator is not None:
+            try:
+                source = compat.peer_str(compat.id_from_bytes(msg.from_id))
+                if not self.validator(source, bytes(msg.data)):
+                    reason = f"invalid gossip on {self._topic} from {source}"
+            except Exception:  # a validator that raises rejects the message (our bug)
+                logger.exception("gossip validator for %s raised", self._topic)
+                self.rejected += 1
+                return False
+        if not reason:
             return True
-        try:
-            source = compat.peer_str(compat.id_from_bytes(msg.from_id))
-            ok = bool(self.validator(source, bytes(msg.data)))
-        except Exception:  # a validator that raises rejects the message
-            logger.exception("gossip validator for %s raised", self._topic)
-            ok = False
-        if not ok:
-            self.rejected += 1
-        return ok
+        self.rejected += 1
+        self.gossip.invalid(compat.peer_str(forwarder), reason)
+        return False
 
     async def _pump(self, ready: Any) -> None:
         pubsub = self.gossip.pubsub
@@ -159,10 +194,14 @@ class Libp2pGossip:
     """
 
     def __init__(self, config: GossipConfig, peer_id: str,
-                 check_open: Callable[[], TrioGuest]) -> None:
+                 check_open: Callable[[], TrioGuest],
+                 on_invalid: Callable[[str, str], None] | None = None) -> None:
         self.config = config
         self.peer_id = peer_id
         self._check_open = check_open
+        self._on_invalid = on_invalid
+        #: Rejected messages by the peer that forwarded them.
+        self.invalid_from: dict[str, int] = {}
         self.pubsub: Pubsub | None = None
         self._subs: dict[str, Libp2pSubscription] = {}
 
@@ -179,6 +218,19 @@ class Libp2pGossip:
                 yield
         finally:
             self.pubsub = None
+
+    def invalid(self, forwarder: str, reason: str) -> None:
+        """A validator rejected a message ``forwarder`` sent us: report it (trio)."""
+        if forwarder == self.peer_id:  # our own publication
+            logger.warning("refused to publish: %s", reason)
+            return
+        if len(self.invalid_from) < 4096 or forwarder in self.invalid_from:
+            self.invalid_from[forwarder] = self.invalid_from.get(forwarder, 0) + 1
+        if self._on_invalid is not None:
+            try:
+                self._on_invalid(forwarder, reason)
+            except Exception:
+                logger.exception("gossip penalty callback raised")
 
     def blacklist(self, peer_id: str) -> None:
         """Drop ``peer_id``'s gossip from now on (trio)."""

@@ -103,6 +103,19 @@ def new_pubsub(host: IHost, config: GossipConfig) -> tuple[Pubsub, GossipSub]:
     - ``Pubsub``'s ``max_inbound_rpc_size`` defaults to 1 MiB, no room for framing
       around a 1 MiB payload: the payload bound plus :data:`RPC_OVERHEAD`.
     - Outbound queues: :class:`DeepQueues`.
+    - Adaptive gossip (``adaptive_gossip_enabled``, on by default in 0.8.1) rewrites
+      ``heartbeat_interval`` in ``GossipSub._adapt_heartbeat_parameters`` from its
+      network-health score, formulas written for the 120 s default: ``max(30, min(60,
+      base // 2))`` turned a 1 s heartbeat into 30-60 s within 30 s of start, and with
+      it the message cache's reach (gossip_window heartbeats): a newcomer was handed
+      about 3 minutes of stale messages. Off, so the heartbeat stays as configured.
+    - The message cache: ``gossip_window`` heartbeats are advertised (IHAVE) and
+      replayed whole to every peer that subscribes (``Pubsub._replay_recent_messages``
+      -> ``GossipSub.send_recent_messages``), ``gossip_history`` heartbeats answer IWANT.
+      Messages for a connected peer that has not subscribed yet are queued for
+      ``pending_messages_ttl`` (30 s by default, up to 100) and flushed when it
+      subscribes: that TTL is bounded to the history's span too, so nothing older than
+      ``config.max_replay_age`` reaches a newcomer.
     - Message ids are (peer id, seqno), and ``Pubsub`` starts its seqno counter at
       ``int(time.time())``, one per message: a node restarted with the same identity
       would reuse the seqnos of its last run's busy seconds, and its neighbours would
@@ -118,6 +131,9 @@ def new_pubsub(host: IHost, config: GossipConfig) -> tuple[Pubsub, GossipSub]:
         degree_low=g.degree_low, degree_high=g.degree_high,
         heartbeat_interval=g.heartbeat_interval, heartbeat_initial_delay=0.1,
         max_messages_per_topic_per_second=g.max_messages_per_topic_per_second,
+        adaptive_gossip_enabled=False,
+        gossip_window=g.gossip_window, gossip_history=g.gossip_history,
+        pending_messages_ttl=g.max_replay_age,
     )
     pubsub = Pubsub(host, router, strict_signing=True, seen_ttl=g.seen_ttl,
                     max_inbound_rpc_size=g.max_message_bytes + RPC_OVERHEAD)

@@ -153,7 +153,8 @@ class Libp2pNode:
         self._out_locks: dict[str, asyncio.Lock] = {}
         self._in_streams: dict[str, int] = {}
         self._sockets = compat.SocketTracker()
-        self._gossip = Libp2pGossip(self.config.gossip, self._peer_id, self._check_open)
+        self._gossip = Libp2pGossip(self.config.gossip, self._peer_id, self._check_open,
+                                    on_invalid=self._gossip_violation)
         self._directory = PeerDirectory(
             identity, region=self.config.region, advertise=self.config.data_plane_advertise,
             addresses=lambda: self.listen_addresses, data_address=lambda: self.data_address)
@@ -584,9 +585,15 @@ class Libp2pNode:
             while (frame := reader.next_frame()) is not None:
                 if not self._inbox.offer(Message(peer, bytes(frame))):
                     space = trio.Event()
-                    self._inbox.when_space(functools.partial(token.run_sync_soon, space.set),
-                                           peer)
+                    self._inbox.when_space(functools.partial(_wake, token, space), peer)
                     await space.wait()
+
+    def _gossip_violation(self, peer: str, reason: str) -> None:
+        """A gossip validator rejected a message ``peer`` forwarded (trio): score it down;
+        once banned, it is disconnected and its gossip blacklisted."""
+        self._scores.penalize(peer, reason, weight=self.config.gossip.invalid_weight)
+        if self._scores.is_banned(peer):
+            self._hang_up(peer, f"banned for invalid gossip ({reason})")
 
     def _violation(self, peer: str, reason: str) -> None:
         logger.info("peer %s: %s", peer, reason)
@@ -624,6 +631,22 @@ class Libp2pNode:
 
     async def subscribe(self, topic: str, validator: Validator | None = None
                         ) -> Libp2pSubscription:
+        """Subscribe to ``topic``; its messages are relayed only once ``validator``
+        accepts them, and a rejected one scores down the peer that forwarded it.
+
+        Without ``validator``, a topic of this node's run gets its own
+        (:func:`~swarm.net.topics.validator_for`); the run's manifests topic needs one
+        (:func:`~swarm.net.topics.manifest_validator` with the trainer key).
+
+        :raises LocalProtocolError: the run's manifests topic without a validator.
+        """
+        if validator is None and self.config.run is not None:
+            parsed = topics.run_topic(topic)
+            if parsed is not None and parsed[0] == self.config.run:
+                validator = topics.validator_for(topic)
+                if validator is None:
+                    raise LocalProtocolError(
+                        f"{topic} needs a validator (topics.manifest_validator)")
         return await self._gossip.subscribe(topic, validator)
 
     async def wait_for_mesh(self, topic: str, peers: int, timeout: float = 10.0) -> None:
@@ -632,6 +655,14 @@ class Libp2pNode:
         :raises TimeoutError: not within ``timeout`` seconds.
         """
         await self._gossip.wait_for_mesh(topic, peers, timeout)
+
+
+def _wake(token: trio.lowlevel.TrioToken, event: trio.Event) -> None:
+    """Set a trio event from asyncio code; a no-op once the trio run has ended (the node
+    closes its inbox, waking paused readers, after its trio guest run stopped: on SIGTERM
+    the bootstrap ended with ``trio.RunFinishedError`` from ``Inbox.close``)."""
+    with contextlib.suppress(trio.RunFinishedError):
+        token.run_sync_soon(event.set)
 
 
 class _Notifee:

@@ -19,8 +19,15 @@ message is delivered or forwarded, so a message failing it never propagates:
 - manifests: ``SignedManifest.decode(data, trusted_signer=<trainer key named at start>)``
   must succeed; any other signer, a bad signature, or malformed bytes are dropped;
 - have / peers / leases: the envelope's signature must verify *and* its signer must be
-  the libp2p source of the message (no relaying someone else's claims under your name);
-  lease grants are additionally checked against the trainer key by the lease layer.
+  the libp2p source of the message (no relaying someone else's claims under your name),
+  within the topic's size bound (have summaries :data:`MAX_HAVE_BYTES`, lease envelopes
+  :data:`MAX_LEASE_BYTES`, peer metadata 4 KiB of body); lease grants are additionally
+  checked against the trainer key by the lease layer.
+
+:func:`validator_for` gives the validator of each topic that needs no trainer key; a
+node that subscribes to one of its run's topics without a validator gets it
+(:meth:`swarm.net.node.Libp2pNode.subscribe`). A rejected message costs the peer that
+forwarded it a score penalty; repeated offences disconnect and blacklist it.
 
 Limits (defaults of :class:`swarm.net.node.GossipConfig`): messages up to 1 MiB
 (manifests of ~16k chunks); 1000 messages per second per topic per peer before
@@ -59,6 +66,10 @@ from swarm.wire import strict
 logger = logging.getLogger(__name__)
 
 MAX_GOSSIP_BYTES = 1 << 20
+#: The largest have-summary envelope (a bitmap of 16k chunks is 2 KiB; ids and framing).
+MAX_HAVE_BYTES = 64 << 10
+#: The largest lease envelope on gossip (grants and results; bulk data is not gossip).
+MAX_LEASE_BYTES = MAX_GOSSIP_BYTES
 MAX_RUN_NAME = 64
 _RUN_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ENVELOPE_DOMAIN = b"swarm/gossip/v1\0"
@@ -180,13 +191,18 @@ def manifest_validator(trusted_signer: bytes) -> Callable[[str, bytes], bool]:
     return validate
 
 
-def envelope_validator(topic: str, *, allowed_signers: frozenset[bytes] | None = None
-                       ) -> Callable[[str, bytes], bool]:
-    """Accept envelopes signed by their libp2p source (and in ``allowed_signers``)."""
+def envelope_validator(topic: str, *, allowed_signers: frozenset[bytes] | None = None,
+                       max_bytes: int = MAX_GOSSIP_BYTES) -> Callable[[str, bytes], bool]:
+    """Accept envelopes of at most ``max_bytes`` signed by their libp2p source (and in
+    ``allowed_signers``)."""
 
     def validate(source: str, data: bytes) -> bool:
+        if len(data) > max_bytes:
+            logger.info("dropped gossip on %s from %s: %d bytes is over %d", topic, source,
+                        len(data), max_bytes)
+            return False
         try:
-            env = SignedEnvelope.open(topic, data)
+            env = SignedEnvelope.open(topic, data, max_bytes=max_bytes)
         except (DecodeError, SignatureError) as exc:
             logger.info("dropped gossip on %s from %s: %s", topic, source, exc)
             return False
@@ -215,5 +231,55 @@ def peer_metadata_validator(topic: str) -> Callable[[str, bytes], bool]:
             logger.info("dropped peer metadata from %s: %s", source, exc)
             return False
         return True
+
+    return validate
+
+
+def have_validator(topic: str, *, max_bytes: int = MAX_HAVE_BYTES
+                   ) -> Callable[[str, bytes], bool]:
+    """Have summaries: an envelope signed by its publisher, at most ``max_bytes``."""
+    return envelope_validator(topic, max_bytes=max_bytes)
+
+
+def lease_validator(topic: str, *, max_bytes: int = MAX_LEASE_BYTES
+                    ) -> Callable[[str, bytes], bool]:
+    """Lease traffic: an envelope signed by its publisher (a grant's signer is checked
+    against the trainer key by the lease layer), at most ``max_bytes``."""
+    return envelope_validator(topic, max_bytes=max_bytes)
+
+
+_TOPIC_RE = re.compile(r"^/swarm/([A-Za-z0-9._-]{1,64})/(manifests|have|peers|leases)/1$")
+
+
+def run_topic(topic: str) -> tuple[str, str] | None:
+    """``(run, kind)`` of a run topic (kind: manifests, have, peers or leases), else None."""
+    m = _TOPIC_RE.match(topic)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def validator_for(topic: str) -> Callable[[str, bytes], bool] | None:
+    """The validator of a run's have, peers or leases topic; None for other topics and
+    for manifests (those need the trainer key: :func:`manifest_validator`)."""
+    parsed = run_topic(topic)
+    if parsed is None:
+        return None
+    kind = parsed[1]
+    if kind == "have":
+        return have_validator(topic)
+    if kind == "peers":
+        return peer_metadata_validator(topic)
+    if kind == "leases":
+        return lease_validator(topic)
+    return None
+
+
+def reject_all(topic: str) -> Callable[[str, bytes], bool]:
+    """A validator that drops everything (a relay that cannot check a topic must not
+    forward it)."""
+
+    def validate(source: str, data: bytes) -> bool:
+        logger.info("dropped gossip on %s from %s: this node cannot validate it", topic,
+                    source)
+        return False
 
     return validate
