@@ -6,18 +6,79 @@ attaches one forwarding handler that re-emits each record under
 ``swarm.net.libp2p.<libp2p logger name>``, where the application's logging
 configuration decides what is shown (libp2p's INFO records, which are per-stream
 chatter, arrive as DEBUG). It installs no output handler of its own.
+
+Two things it takes care of:
+
+- ``import libp2p`` runs py-libp2p's ``setup_logging``, which clears the ``libp2p``
+  logger's handlers: a forwarder attached before that import is removed, and libp2p's
+  records then print through Python's last-resort handler (bare messages on stderr, with
+  no logger name and no level filter). So libp2p is imported before attaching.
+- libp2p logs an ERROR for every failed TCP dial ("Failed to open TCP stream"); the
+  callers (the peer's discovery with its backoff, the bootstrap redial) handle these
+  failures themselves. They are counted, not forwarded: one WARNING line under
+  ``swarm.net.libp2p`` sums them up at most every :data:`DIAL_SUMMARY_S` seconds (each
+  one is still forwarded at DEBUG).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 
 PREFIX = "swarm.net.libp2p"
+#: Shortest time between two summaries of failed dials.
+DIAL_SUMMARY_S = 60.0
+_DIAL_FAILED = ("Failed to open TCP stream", "Unexpected error opening TCP stream",
+                # a stream to a peer whose connection just broke (a peer gone away)
+                "Failed to open stream to peer", "MultiselectClient handshake")
+
+
+class _DialFailures:
+    """Counts libp2p's per-attempt dial errors; says when a summary is due."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.count = 0
+        self.targets: dict[str, int] = {}
+        self._last = -DIAL_SUMMARY_S
+
+    def add(self, record: logging.LogRecord) -> str | None:
+        """Count ``record``; the summary line to log now, if one is due."""
+        target = "streams on a broken connection"
+        if record.msg.startswith(_DIAL_FAILED[:2]) and isinstance(record.args, tuple) \
+                and record.args:
+            target = str(record.args[0]).rsplit(" to ", 1)[-1].removesuffix(" failed")
+        with self._lock:
+            self.count += 1
+            self.targets[target] = self.targets.get(target, 0) + 1
+            now = self.clock()
+            if now - self._last < DIAL_SUMMARY_S:
+                return None
+            first = self._last < 0
+            self._last = now
+            count, targets, self.count, self.targets = self.count, self.targets, 0, {}
+        shown = ", ".join(f"{t} ({n}x)" for t, n in sorted(targets.items())[:5])
+        more = f" and {len(targets) - 5} more" if len(targets) > 5 else ""
+        span = "" if first else f" in the last {DIAL_SUMMARY_S:.0f} s"
+        return (f"{count} dial(s) failed{span}: {shown}{more} (retried with backoff; "
+                f"next summary in {DIAL_SUMMARY_S:.0f} s at most)")
+
+
+_DIALS = _DialFailures()
 
 
 class _Forward(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         level = logging.DEBUG if record.levelno == logging.INFO else record.levelno
+        if level >= logging.ERROR and isinstance(record.msg, str) \
+                and record.msg.startswith(_DIAL_FAILED):
+            summary = _DIALS.add(record)
+            if summary is not None:
+                logging.getLogger(PREFIX).warning("%s", summary)
+            level = logging.DEBUG
         target = logging.getLogger(f"{PREFIX}.{record.name}")
         if target.isEnabledFor(level):
             copy = logging.makeLogRecord(record.__dict__)  # others may hold the original
@@ -35,6 +96,8 @@ def route_libp2p_logging() -> None:
     libp2p's level follows the effective level of ``swarm.net.libp2p`` at the time of the
     call, so libp2p does not build debug records nobody will read.
     """
+    import libp2p  # noqa: F401 - its import clears the libp2p logger's handlers
+
     source = logging.getLogger("libp2p")
     if _HANDLER not in source.handlers:
         source.addHandler(_HANDLER)
