@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.errors import SwarmError
 from swarm.identity import Identity
 
 if TYPE_CHECKING:
@@ -27,7 +29,9 @@ def add_node_arguments(p: argparse.ArgumentParser, *, default_port: int = 0) -> 
     p.add_argument("--run", default="demo", help="run name (gossip topics carry it)")
     p.add_argument("--region", default="", help="region label published to other peers")
     p.add_argument("--status-json", action="store_true",
-                   help="print status events as JSON lines on stdout")
+                   help="print status events as JSON lines on stdout (and nothing else)")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines on stdout (warnings and errors still go to stderr)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--uplink-mbps", type=float, default=0.0,
@@ -54,6 +58,87 @@ async def shaped(node: Libp2pNode, args: argparse.Namespace) -> AsyncIterator[Ne
         yield net
 
 
+class UsageError(SwarmError):
+    """A flag's value cannot be used (printed as one ``swarm: error: ...`` line)."""
+
+
+def _multiaddr(flag: str, value: str, *, example: str) -> list[str]:
+    """The protocol names of multiaddr ``value``, which must be IP and TCP."""
+    from multiaddr import Multiaddr
+
+    try:
+        names = [proto.name for proto in Multiaddr(value).protocols()]
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{flag} {value!r} is not a valid multiaddr ({exc}); "
+                         f"expected e.g. {example}") from None
+    if not names or names[0] not in ("ip4", "ip6", "dns", "dns4", "dns6") or "tcp" not in names:
+        raise UsageError(f"{flag} {value!r} is not an IP/TCP multiaddr; expected e.g. {example}")
+    return names
+
+
+def check_listen(value: str) -> None:
+    names = _multiaddr("--listen", value, example="/ip4/0.0.0.0/tcp/4002")
+    if "p2p" in names:
+        raise UsageError(f"--listen {value!r}: a listen address has no /p2p/ part")
+
+
+def check_bootstrap(values: list[str]) -> None:
+    for value in values:
+        names = _multiaddr("--bootstrap", value,
+                           example="/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW...")
+        if names[-1] != "p2p":
+            raise UsageError(f"--bootstrap {value!r} does not end in /p2p/PEER_ID (the full "
+                             "address a bootstrap node or trainer prints at start)")
+        check_peer_id("--bootstrap", value.rsplit("/", 1)[-1])
+
+
+def check_peer_id(flag: str, value: str) -> None:
+    from swarm.identity import public_key_from_peer_id
+
+    try:
+        public_key_from_peer_id(value)
+    except SwarmError:
+        raise UsageError(f"{flag} {value!r} is not a peer id (an Ed25519 id starts with "
+                         "12D3KooW; the trainer prints its own at start)") from None
+
+
+def check_data_dir(path: Path) -> None:
+    """``path`` is, or can be made, a writable directory."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--data-dir {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--data-dir {path} cannot be created: {exc.strerror or exc}") from None
+    probe = path / f".write-test.{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--data-dir {path} is not writable: {exc.strerror or exc}") from None
+
+
+def check_node_args(args: argparse.Namespace) -> None:
+    """One clear error for each unusable common flag, before anything heavy starts."""
+    check_listen(str(args.listen))
+    check_bootstrap(list(getattr(args, "bootstrap", None) or []))
+    if getattr(args, "trainer", None) is not None:
+        check_peer_id("--trainer", str(args.trainer))
+    check_data_dir(args.data_dir)
+    if args.key is not None and args.key.exists() and not args.key.is_file():
+        raise UsageError(f"--key {args.key} is not a file")
+
+
+def reporter(name: str, args: argparse.Namespace) -> Any:
+    """The node's status reporter: JSON lines with ``--status-json``, else progress lines
+    on stdout unless ``--quiet``."""
+    from swarm.roles.status import Reporter
+
+    return Reporter(name, json_out=sys.stdout if args.status_json else None,
+                    human_out=None if args.quiet else sys.stdout,
+                    metrics_port=args.metrics_port)
+
+
 def node_config(args: argparse.Namespace, **extra: Any) -> NodeConfig:
     """The libp2p node's settings from the common flags; the data plane listens on the
     same interface as libp2p (loopback by default)."""
@@ -73,13 +158,20 @@ def load_identity(args: argparse.Namespace) -> Identity:
 
 def run_node(main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
              args: argparse.Namespace) -> int:
-    """Run a node's async main; Ctrl-C and SIGTERM end it cleanly with exit status 130."""
+    """Run a node's async main; Ctrl-C and SIGTERM end it cleanly with exit status 130.
+
+    The flags are checked first (:func:`check_node_args`); an OS error while the node
+    starts (a port in use, an address not on this machine) is one ``swarm: error:`` line.
+    """
     import asyncio
 
+    check_node_args(args)
     try:
         return asyncio.run(main(args))
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
+    except OSError as exc:
+        raise UsageError(f"{exc.strerror or exc} ({exc.__class__.__name__})") from None
 
 
 @contextlib.asynccontextmanager

@@ -8,18 +8,32 @@ signed manifest, and does leased rollout work with a torch engine.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
-from typing import Any, cast
+import time
+from typing import TYPE_CHECKING, Any, cast
 
 from swarm.cli._node import (
+    UsageError,
     add_node_arguments,
     load_identity,
     node_config,
+    reporter,
     run_node,
     shaped,
     stop_on_signals,
 )
+from swarm.errors import SwarmError
 from swarm.protocol.exchange import ExchangeConfig
+
+if TYPE_CHECKING:
+    from swarm.roles.common import Network
+    from swarm.roles.peer import RolloutPeer
+    from swarm.roles.status import Reporter
+
+
+class TrainerGone(SwarmError):
+    """The trainer stayed unreachable longer than ``--trainer-timeout``."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", type=int, default=4, help="tasks asked for per lease")
     p.add_argument("--last-resort", type=float, default=0.25, metavar="SECONDS",
                    help="wait this long for other peers before fetching a chunk from the trainer")
+    p.add_argument("--warn-after", type=float, default=30.0, metavar="SECONDS",
+                   help="say so when no manifest from the trainer came within this long, "
+                        "and repeat this often while the trainer is unreachable")
+    p.add_argument("--trainer-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="exit (status 2) once the trainer was unreachable this long "
+                        "(0: keep trying forever)")
     p.add_argument("--corrupt", action="store_true",
                    help="chaos: serve corrupted chunks (other peers must ban this one)")
 
@@ -54,17 +74,15 @@ async def _main(args: argparse.Namespace) -> int:
     from swarm.demo.grpo import DemoConfig
     from swarm.demo.model import build_model, inference_state
     from swarm.engines.torch_engine import TorchEngine
-    from swarm.identity import public_key_from_peer_id
     from swarm.net.node import Libp2pNode
     from swarm.roles.peer import PeerConfig, RolloutPeer
-    from swarm.roles.status import Reporter
 
     torch.set_num_threads(1)
-    public_key_from_peer_id(args.trainer)  # a clear error for a malformed id, before dialing
     cfg = DemoConfig()
     identity = load_identity(args)
-    report = Reporter(args.name, json_out=sys.stdout if args.status_json else None,
-                      metrics_port=args.metrics_port)
+    if identity.peer_id == args.trainer:
+        raise UsageError("--trainer is this peer's own id (its key is the trainer's?)")
+    report = reporter(args.name, args)
     # The local checkpoint: the config's seeded initial weights, verified against the
     # trainer's signed keyframe before use (a mismatch fetches the pieces instead).
     state = inference_state(build_model(cfg.model), cfg.inference_dtype)
@@ -74,6 +92,8 @@ async def _main(args: argparse.Namespace) -> int:
             shaped(raw, args) as net:
         report.emit("ready", addr=raw.listen_addresses[0], peer_id=identity.peer_id,
                     region=args.region)
+        report.say(f"peer {identity.peer_id} listening on {raw.listen_addresses[0]}; "
+                   f"following trainer {args.trainer}")
         # DATA_DIR keeps the last verified version and received chunks: a restarted peer
         # resumes there; the bootstrap addresses are redialled if the trainer goes away.
         peer = RolloutPeer(identity, net, PeerConfig(run=args.run, trainer=args.trainer,
@@ -86,7 +106,67 @@ async def _main(args: argparse.Namespace) -> int:
         async with peer:
             if args.corrupt:
                 peer.driver.corrupt_uploads = True
-            await peer.closed.wait()
+            watch = asyncio.create_task(_watch(peer, net, args, report))
+            closed = asyncio.create_task(peer.closed.wait())
+            try:
+                await asyncio.wait([watch, closed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watch.cancel()
+                closed.cancel()
+            if watch.done() and not watch.cancelled() and watch.exception() is not None:
+                raise cast(BaseException, watch.exception())
             if peer.failure is not None:
                 raise peer.failure  # printed as one "swarm: error: ..." line
     return 1
+
+
+def _warn(report: Reporter, event: str, line: str, **fields: object) -> None:
+    """A warning: one line on stderr, and a status event (JSON with --status-json)."""
+    report.emit(event, **fields)
+    print(f"swarm: warning: {line}", file=sys.stderr, flush=True)
+
+
+async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
+                 report: Reporter) -> None:
+    """Say when no manifest came from the named trainer, and while the trainer is gone;
+    give up after ``--trainer-timeout``."""
+    every = max(0.1, args.warn_after)
+    start = time.monotonic()
+    warned_manifest = False
+    lost_since: float | None = start
+    said_at = start
+    while True:
+        await asyncio.sleep(min(1.0, every / 4))
+        now = time.monotonic()
+        here = args.trainer in net.connected_peers()
+        if not warned_manifest and peer.verified == 0 and now - start >= every:
+            warned_manifest = True
+            if peer.version >= 0:
+                why = (f"holding version {peer.version} from the data dir; the trainer has "
+                       "announced nothing newer")
+            elif here:
+                why = "it is connected but has announced no version yet"
+            else:
+                others = len(net.connected_peers())
+                why = (f"it is not connected ({others} other peer(s) are): check that "
+                       "--trainer is the id the trainer prints at start, and --bootstrap")
+            _warn(report, "no_manifest",
+                  f"no manifest from trainer {args.trainer} within {every:.0f} s; {why}",
+                  trainer=args.trainer, seconds=round(now - start, 1), connected=here)
+        if here:
+            if lost_since is not None and peer.verified > 0 and now - lost_since >= every:
+                report.say(f"trainer reachable again after {now - lost_since:.0f} s")
+            lost_since = None
+            continue
+        if lost_since is None:
+            lost_since = said_at = now
+        gone = now - lost_since
+        if args.trainer_timeout and gone >= args.trainer_timeout:
+            raise TrainerGone(f"trainer {args.trainer} unreachable for {gone:.0f} s; giving "
+                              f"up (--trainer-timeout {args.trainer_timeout:g})")
+        if now - said_at >= every and (peer.verified > 0 or warned_manifest):
+            said_at = now
+            _warn(report, "trainer_unreachable",
+                  f"trainer {args.trainer} unreachable for {gone:.0f} s; still trying "
+                  f"(holding version {peer.version})", trainer=args.trainer,
+                  seconds=round(gone, 1), version=peer.version)

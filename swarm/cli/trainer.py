@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from swarm.cli._node import (
     add_node_arguments,
     load_identity,
     node_config,
+    reporter,
     run_node,
     shaped,
     stop_on_signals,
@@ -37,6 +37,8 @@ from swarm.cli._node import (
 
 if TYPE_CHECKING:
     from swarm.content.manifest import SignedManifest
+    from swarm.roles.common import Network
+    from swarm.roles.trainer import TrainerNode
 
 log = logging.getLogger(__name__)
 MASTER_FILE = "master.pt"
@@ -58,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-kib", type=int, default=64,
                    help="target size of a delta chunk in KiB (the demo model is small)")
     p.add_argument("--linger", type=float, default=10.0,
-                   help="seconds to keep seeding after the last step (SIGTERM ends it early)")
+                   help="seconds to keep seeding after the last step (SIGTERM ends it "
+                        "early); says when the last version reached every connected peer")
     p.add_argument("--keep-versions", type=int, default=16, metavar="N",
                    help="deltas kept for catch-up (peers further behind get a keyframe)")
     p.add_argument("--chaos-kill-mid-publish", type=int, default=None, metavar="STEP",
@@ -86,15 +89,13 @@ async def _main(args: argparse.Namespace) -> int:
     from swarm.demo.model import build_model, inference_state
     from swarm.net.node import Libp2pNode
     from swarm.protocol.leases import Sampling
-    from swarm.roles.status import Reporter
     from swarm.roles.trainer import TrainerConfig, TrainerNode
 
     torch.set_num_threads(1)
     cfg = DemoConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
                      lr=args.lr, num_peers=1)
     identity = load_identity(args)
-    report = Reporter("trainer", json_out=sys.stdout if args.status_json else None,
-                      metrics_port=args.metrics_port)
+    report = reporter("trainer", args)
     net_cfg = node_config(args, bootstrap=tuple(args.bootstrap))
     master = build_model(cfg.model)
     optimizer = make_optimizer(master, cfg.lr, cfg.weight_decay, cfg.adam_eps)
@@ -109,6 +110,9 @@ async def _main(args: argparse.Namespace) -> int:
             tmp.write_text(addr + "\n")
             tmp.replace(args.addr_file)
         report.emit("ready", addr=addr, peer_id=identity.peer_id)
+        join = args.bootstrap[0] if args.bootstrap else addr
+        report.say(f"trainer {identity.peer_id}\nlistening on {addr}\npeers join with:\n"
+                   f"  swarm peer --bootstrap {join} --trainer {identity.peer_id}")
         ckpt_path = args.data_dir / MASTER_FILE
         if node.step >= 0:
             ckpt_step = _load_master(ckpt_path, master, optimizer, node.step)
@@ -120,6 +124,8 @@ async def _main(args: argparse.Namespace) -> int:
             report.emit("published", step=0, kind="keyframe", bytes=pub.payload_bytes,
                         dense=pub.dense_bytes, ratio=round(pub.ratio, 2))
         first = node.step + 1
+        if first <= cfg.steps and len(_rollout_peers(net, args)) < args.min_peers:
+            report.say(f"waiting for {args.min_peers} peer(s) (at most {args.step_timeout:g} s)")
         async with asyncio.timeout(args.step_timeout):
             # Bootstrap nodes are connected peers too, but do no rollout work.
             while len(net.connected_peers()) < args.min_peers + len(args.bootstrap):
@@ -163,11 +169,50 @@ async def _main(args: argparse.Namespace) -> int:
                 leases=node.leases.stats.as_dict())
         report.emit("done", steps=cfg.steps, leases=node.leases.stats.as_dict(),
                     egress=node.driver.exchange.bytes_up)
-        if not args.status_json:
-            print(json.dumps(node.leases.stats.as_dict(), indent=2))
-        # Keep seeding so the last version reaches every peer.
-        await asyncio.sleep(args.linger)
+        if not args.status_json and not args.quiet:
+            print("leases: " + json.dumps(node.leases.stats.as_dict()), flush=True)
+        # Keep seeding so the last version reaches every peer; say when it has.
+        t0 = time.monotonic()
+        have, peers = await wait_delivered(node, _rollout_peers(net, args), args.linger)
+        took = time.monotonic() - t0
+        report.emit("delivered", step=node.step, peers=len(peers), have=len(have),
+                    seconds=round(took, 3))
+        short = "" if have >= peers else f" within --linger {args.linger:g} s"
+        report.say(f"last version {node.step} reached {len(have)} of {len(peers)} connected "
+                   f"peer(s){short} ({took:.1f} s); seeding until --linger ends")
+        await asyncio.sleep(max(0.0, args.linger - took))
     return 0
+
+
+def _rollout_peers(net: Network, args: argparse.Namespace) -> set[str]:
+    """Connected peers less the bootstrap nodes named on the command line."""
+    boot = {a.rsplit("/", 1)[-1] for a in args.bootstrap}
+    return set(net.connected_peers()) - boot
+
+
+def holders_of_latest(node: TrainerNode) -> set[str]:
+    """Peers that told this trainer they hold every chunk of its latest version."""
+    if not node.manifests:
+        return set()
+    sm = node.manifests[-1]
+    # The exchange's per-chunk holder sets (its Have/bitfield bookkeeping).
+    obj = getattr(node.driver.exchange, "_objects", {}).get(sm.id)
+    if obj is None or not sm.manifest.chunks:
+        return set()
+    sets = [set(h) for h in obj.holders]
+    return set.intersection(*sets) if sets else set()
+
+
+async def wait_delivered(node: TrainerNode, peers: set[str], timeout: float
+                         ) -> tuple[set[str], set[str]]:
+    """Wait until every one of ``peers`` holds the trainer's latest version, or
+    ``timeout`` seconds; returns (the peers that hold it, ``peers``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        have = holders_of_latest(node) & peers
+        if have >= peers or time.monotonic() >= deadline:
+            return have, peers
+        await asyncio.sleep(0.2)
 
 
 def _chaos_kill(step: int | None) -> Callable[[SignedManifest], None] | None:

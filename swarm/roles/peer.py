@@ -447,6 +447,9 @@ class RolloutPeer(NodeBase):
             "installed_s": round(self.clock.now() - t0, 3), "tensors": len(changed),
             "bytes_up": self.driver.exchange.bytes_up,
             "bytes_down": self.driver.exchange.bytes_down,
+            # bytes from the trainer over its current connection (the CLI's progress line)
+            "bytes_from_trainer": getattr(self.driver.exchange._peers.get(self.config.trainer),
+                                          "bytes_from", 0),
         })
 
     async def _local_matches(self, sm: SignedManifest) -> bool:

@@ -2,7 +2,9 @@
 
 Every event is ``{"t": unix time, "node": name, "event": kind, ...fields}``. With
 ``json_out`` set the events go to that stream one per line (``swarm demo`` reads them from
-its children); otherwise each becomes an INFO log line. Prometheus metrics are optional.
+its children); with ``human_out`` set the progress events (a version verified, a step
+published, ...) become one readable line each there (:func:`human_line`); every event is
+also an INFO log line. Prometheus metrics are optional.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ class Reporter:
     """Emits status events and keeps counters for ``--metrics-port``."""
 
     def __init__(self, node: str, *, json_out: TextIO | None = None,
-                 metrics_port: int | None = None) -> None:
+                 human_out: TextIO | None = None, metrics_port: int | None = None) -> None:
         self.node = node
         self._out = json_out
+        self._human = None if json_out is not None else human_out
+        self._progress = _Progress()
         self._lock = threading.Lock()
         self._gauges: dict[str, Any] = {}
         if metrics_port is not None:
@@ -39,9 +43,19 @@ class Reporter:
             with self._lock:
                 self._out.write(json.dumps(record, default=str) + "\n")
                 self._out.flush()
-        else:
-            log.info("%s %s %s", self.node, event,
-                     " ".join(f"{k}={v}" for k, v in fields.items()))
+            return
+        log.info("%s %s %s", self.node, event, " ".join(f"{k}={v}" for k, v in fields.items()))
+        if self._human is not None:
+            line = self._progress.line(event, fields)
+            if line is not None:
+                self.say(line)
+
+    def say(self, line: str) -> None:
+        """One human-readable line on ``human_out`` (nothing with JSON output or --quiet)."""
+        if self._human is not None:
+            with self._lock:
+                self._human.write(line + "\n")
+                self._human.flush()
 
     def _start_metrics(self, port: int) -> None:
         try:
@@ -80,3 +94,79 @@ class Reporter:
             g["tokens_per_s"].set(fields.get("tokens_per_s", 0))
         elif event == "step":
             g["step"].set(fields.get("step", 0))
+
+
+def human_bytes(n: object) -> str:
+    size = float(n) if isinstance(n, int | float) else 0.0
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+class _Progress:
+    """Turns status events into progress lines; keeps the counters a line reports as
+    deltas (bytes down since the last version, leases since the last version)."""
+
+    def __init__(self) -> None:
+        self.down = 0
+        self.from_trainer = 0
+        self.leases = 0
+        self.tasks = 0
+
+    def line(self, event: str, f: dict[str, object]) -> str | None:
+        if event == "lease":
+            self.leases += 1
+            return None
+        if event == "result":
+            self.tasks += _int(f.get("tasks"))
+            return None
+        if event == "verified":
+            down = _int(f.get("bytes_down"))
+            got = max(0, down - self.down)
+            self.down = down
+            src = f"{human_bytes(got)} down"
+            if "bytes_from_trainer" in f:
+                trainer = _int(f.get("bytes_from_trainer"))
+                from_trainer = trainer - self.from_trainer
+                if from_trainer < 0:  # a new connection to the trainer counts from 0
+                    from_trainer = trainer
+                self.from_trainer = trainer
+                from_trainer = min(from_trainer, got)
+                src = (f"{human_bytes(got)} down ({human_bytes(from_trainer)} from the "
+                       f"trainer, {human_bytes(got - from_trainer)} from peers)")
+            leases, tasks, self.leases, self.tasks = self.leases, self.tasks, 0, 0
+            return (f"version {f.get('version')} verified ({f.get('kind')}, "
+                    f"{human_bytes(f.get('bytes'))}) in {f.get('sync_s')} s; {src}; "
+                    f"{human_bytes(f.get('bytes_up'))} up in all; "
+                    f"leases {leases}, tasks {tasks} since the last version")
+        if event == "verify_failed":
+            return f"version {f.get('version')} FAILED verification: {f.get('error')}"
+        if event == "published":
+            return (f"step {f.get('step')} published ({f.get('kind')}, "
+                    f"{human_bytes(f.get('bytes'))})")
+        if event == "step":
+            book = f.get("leases")
+            issued = book.get("leases_issued", "?") if isinstance(book, dict) else "?"
+            return (f"step {f.get('step')} published: {human_bytes(f.get('bytes'))} delta "
+                    f"({f.get('ratio')}x smaller), reward {f.get('reward')}, rollout "
+                    f"{f.get('rollout_s')} s, {f.get('peers')} peer(s), leases issued "
+                    f"{issued}, trainer egress {human_bytes(f.get('egress'))}")
+        if event == "resumed":
+            if "master" in f:
+                return f"resumed at step {f.get('step')} from the data dir"
+            return f"resumed at version {f.get('version')} from the data dir"
+        if event == "reconnected":
+            return f"trainer reachable again (holding version {f.get('version')})"
+        if event == "banned":
+            return f"banned peer {f.get('peer')}: {f.get('reason')}"
+        if event == "resume_refused":
+            return f"saved state not used: {f.get('error')}"
+        if event == "done":
+            return f"done: {f.get('steps')} steps, trainer egress {human_bytes(f.get('egress'))}"
+        return None
+
+
+def _int(v: object) -> int:
+    return int(v) if isinstance(v, int | float) else 0
