@@ -12,8 +12,27 @@ plane leaves nothing running.
 Bad input closes the connection and scores the peer down (when its identity is known):
 an oversized frame header, a frame failing authentication, a malformed or out-of-order
 handshake, a handshake not done within ``handshake_timeout``, a peer stalling mid-frame
-for ``stall_timeout``, a peer over ``max_connections_per_peer``. Memory per connection
-is bounded by one frame plus the read scratch buffer plus the write high-water mark.
+for ``stall_timeout``, a peer over ``max_connections_per_peer``.
+
+Memory. A frame's buffer grows as its bytes arrive (never to the announced length up
+front), and one byte budget per plane (``buffer_budget``) covers every frame being
+received or decrypted, across all peers: a frame's announced length is reserved when
+its header arrives, and a connection whose frame does not fit waits, with reading
+paused (backpressure; grants go round-robin across remote addresses); a peer that
+stalls mid-frame is dropped after ``stall_timeout`` and its reservation freed.
+Reserving whole frames means every reserved frame can finish, so waiting
+connections never deadlock on each other's partial frames. On top of the budget, a
+connection holds its read scratch buffer (4 KiB during the handshake, 64 KiB after)
+and the write high-water mark.
+
+Admission. Handshakes must finish within ``handshake_timeout``. At most ``max_pending``
+inbound handshakes are pending, ``max_pending_per_ip`` from one address: a new one over
+the per-address bound evicts that address's oldest pending handshake, and one over the
+overall bound (or over ``max_connections``) evicts the oldest pending handshake of the
+address holding the most, so an address holding many open handshakes only ever pushes
+out its own. Authenticated connections are bounded per peer
+(``max_connections_per_peer``) and, with pending ones, per address
+(``max_connections_per_ip``: over it, a new connection is refused).
 """
 
 from __future__ import annotations
@@ -41,7 +60,7 @@ from swarm.net.handshake import (
     ServerHandshake,
     Session,
 )
-from swarm.net.queues import EventQueue, Inbox
+from swarm.net.queues import ByteBudget, EventQueue, Inbox
 from swarm.net.transport import (
     Message,
     MessageTooLarge,
@@ -57,6 +76,9 @@ from swarm.wire.frames import FrameReader, encode_frame, encode_header
 logger = logging.getLogger(__name__)
 
 _WRITE_SLICE = 1 << 20
+#: Read scratch during the handshake (frames of at most 1 KiB) and after it.
+_HANDSHAKE_SCRATCH = 4 << 10
+_SCRATCH = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +104,19 @@ class DataPlaneConfig:
     max_connections: int = 256
     #: Connections from or to one peer; more is a protocol violation.
     max_connections_per_peer: int = 8
+    #: Inbound connections (pending and authenticated) from one IP address; more are
+    #: refused. Loopback setups with many local peers need this raised.
+    max_connections_per_ip: int = 128
+    #: Inbound handshakes pending at once: over it, the oldest pending handshake of the
+    #: address holding the most is dropped.
+    max_pending: int = 128
+    #: Inbound handshakes pending at once from one address: over it, that address's
+    #: oldest pending handshake is dropped.
+    max_pending_per_ip: int = 32
+    #: Bytes of frames being received or decrypted, over all connections (each frame's
+    #: announced length is reserved when its header arrives; a frame that does not fit
+    #: waits with reading paused). At least one largest frame.
+    buffer_budget: int = 256 << 20
     #: Bytes queued in asyncio's write buffer before ``send`` waits (a frame is written in
     #: 1 MiB slices, so a small value costs nothing in throughput).
     write_high_water: int = 1 << 20
@@ -118,6 +153,31 @@ def _sealed_frame(session: Session, payload: bytes | memoryview) -> bytearray:
     return out
 
 
+class _Charge:
+    """One connection's share of the plane's byte budget (all given back on close)."""
+
+    def __init__(self, budget: ByteBudget) -> None:
+        self.budget = budget
+        self.held = 0
+        self.closed = False
+
+    def take(self, n: int) -> bool:
+        if self.closed or not self.budget.try_take(n):
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        n = min(n, self.held)
+        if n > 0:
+            self.held -= n
+            self.budget.give(n)
+
+    def close(self) -> None:
+        self.closed = True
+        self.give(self.held)
+
+
 class _Connection(asyncio.BufferedProtocol):
     """One TCP connection, client or server side; driven by asyncio callbacks."""
 
@@ -131,7 +191,13 @@ class _Connection(asyncio.BufferedProtocol):
         self.client = client
         self.server = None if client else ServerHandshake(plane.identity,
                                                           ciphers=plane.config.ciphers)
-        self.reader = FrameReader(MAX_HANDSHAKE_BYTES, scratch=64 << 10, hold=True)
+        self.charge = _Charge(plane.budget)
+        # Handshake frames (at most 1 KiB) are outside the budget: waiting for it must
+        # never hold up a login.
+        self.reader = FrameReader(MAX_HANDSHAKE_BYTES, scratch=_HANDSHAKE_SCRATCH, hold=True)
+        #: The remote address of an inbound connection ("" for dialed ones).
+        self.ip = ""
+        self._budget_wait = False
         self.session: Session | None = None
         self.peer_id: str | None = client.expected_peer_id if client else None
         self.transport: asyncio.Transport | None = None
@@ -167,6 +233,15 @@ class _Connection(asyncio.BufferedProtocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         transport.set_write_buffer_limits(high=self.plane.config.write_high_water)
+        if self.client is None:
+            peer = transport.get_extra_info("peername")
+            self.ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            refusal = self.plane._inbound(self)
+            if refusal:
+                self.reason = refusal
+                logger.info("data-plane connection from %s refused: %s", self.ip, refusal)
+                self.abort()
+                return
         self.plane._conns_all.add(self)
         self._timer = self.loop.call_later(self.plane.config.handshake_timeout,
                                            self._handshake_expired)
@@ -201,6 +276,10 @@ class _Connection(asyncio.BufferedProtocol):
             if isinstance(item, asyncio.Future) and item.done() and not item.cancelled():
                 item.exception()
         self._decrypting.clear()
+        if self._budget_wait:
+            self._budget_wait = False
+            self.plane.budget.cancel(self._on_grant, self.ip)
+        self.charge.close()
         reason = self.reason or (f"connection lost: {exc}" if exc else "closed by peer")
         if not self.ready.done():
             self.ready.set_exception(PeerUnreachable(f"data-plane handshake failed: {reason}"))
@@ -223,6 +302,8 @@ class _Connection(asyncio.BufferedProtocol):
             if item is None:
                 break
             header, body = item
+            size = len(body)
+            offloaded = False
             try:
                 if self.session is None:
                     self._handshake(body)
@@ -232,28 +313,37 @@ class _Connection(asyncio.BufferedProtocol):
                         raise HandshakeError("the server's first frame was not a welcome")
                     self._admit_or_refuse()
                 else:
-                    self._decrypt(self.session, header, body)
+                    offloaded = self._decrypt(self.session, header, body)
             except PeerIdMismatch as exc:
                 self.fail(str(exc), penalize=False, error=exc)
             except RemoteProtocolError as exc:
                 self.fail(f"protocol violation: {exc}")
+            finally:
+                if not offloaded:
+                    self.charge.give(size)
         self._flush()
         self._update_reading()
         if not self.closing and self.reader.mid_frame and self._timer is None:
             self._timer = self.loop.call_later(self.plane.config.stall_timeout,
                                                self._check_stall)
 
-    def _decrypt(self, session: Session, header: bytes, body: bytearray) -> None:
+    def _decrypt(self, session: Session, header: bytes, body: bytearray) -> bool:
+        """Open one frame now, or hand it to the crypto threads (True: its budget is
+        given back when they are done)."""
         nonce = session.reserve_recv()
         pool = self.plane._pool
         if pool is not None and len(body) >= self.plane.config.offload_bytes:
             fut = self.loop.run_in_executor(pool, session.open_with, nonce, header, body)
+            size = len(body)
+            fut.add_done_callback(lambda _f: self.charge.give(size))
             fut.add_done_callback(self._on_decrypted)
             self._decrypting.append(fut)
-        elif self._decrypting:
+            return True
+        if self._decrypting:
             self._decrypting.append(session.open_with(nonce, header, body))
         else:
             self._deliver(session.open_with(nonce, header, body))
+        return False
 
     def _on_decrypted(self, fut: asyncio.Future[bytes]) -> None:
         if self.closing:
@@ -291,10 +381,14 @@ class _Connection(asyncio.BufferedProtocol):
             self._process()
 
     def _update_reading(self) -> None:
-        """Pause reading while the inbox is full or enough frames are being decrypted."""
+        """Pause reading while the inbox is full, enough frames are being decrypted, or
+        the next frame waits for the byte budget."""
         if self.transport is None or self.closing:
             return
-        blocked = self._inbox_blocked or \
+        if self.reader.blocked and not self._budget_wait:
+            self._budget_wait = True
+            self.plane.budget.wait(self.reader.blocked, self._on_grant, self.ip)
+        blocked = self._inbox_blocked or self._budget_wait or \
             len(self._decrypting) >= self.plane.config.crypto_inflight
         if blocked and not self._reading_paused:
             self._reading_paused = True
@@ -302,6 +396,21 @@ class _Connection(asyncio.BufferedProtocol):
         elif not blocked and self._reading_paused:
             self._reading_paused = False
             self.transport.resume_reading()
+
+    def _on_grant(self, n: int) -> None:
+        """The byte budget reserved the frame the reader waits on."""
+        if self.closing or not self._budget_wait:
+            self.plane.budget.give(n)
+            return
+        self._budget_wait = False
+        self.charge.held += n
+        self.reader.grant(n)
+        try:
+            self.reader.resume()
+        except DecodeError as exc:
+            self.fail(f"protocol violation: {exc}")
+            return
+        self._process()
 
     def _handshake(self, body: bytearray) -> None:
         assert self.transport is not None
@@ -322,6 +431,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.peer_id = session.peer_id
         self.reader.max_frame = self.plane.config.max_message_bytes + TAG_LEN
         self.reader.hold = False
+        self.reader.set_scratch(_SCRATCH)
+        self.reader.allowance = self.charge
+        self.plane._authenticated(self)
         if self.client is not None:
             # The dial succeeds only once the server admits us: its first frame is an
             # empty sealed "welcome" (a refusal is a close), so ``connect`` can tell.
@@ -475,6 +587,17 @@ class DataPlane:
         self._closed = False
         self._address: tuple[str, int] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        if config.buffer_budget < config.max_message_bytes + TAG_LEN:
+            raise ValueError("buffer_budget must hold at least one largest frame "
+                             f"({config.max_message_bytes + TAG_LEN} bytes)")
+        self.budget = ByteBudget(config.buffer_budget)
+        #: Inbound handshakes not done yet, per remote address, oldest first.
+        self._pending: dict[str, dict[_Connection, None]] = {}
+        self._pending_count = 0
+        #: Inbound connections per remote address.
+        self._per_ip: dict[str, int] = {}
+        #: Evicted connections whose close is under way (not counted any more).
+        self._evicted: set[_Connection] = set()
 
     async def __aenter__(self) -> Self:
         if self.config.crypto_threads > 0:
@@ -527,6 +650,54 @@ class DataPlane:
             refuse = "over max_connections"
         return _Connection(self, None, refuse=refuse)
 
+    def _inbound(self, conn: _Connection) -> str:
+        """Take in a new inbound connection from ``conn.ip``: a refusal reason or ''.
+
+        Makes room by evicting pending handshakes (see the module's "Admission")."""
+        cfg = self.config
+        ip = conn.ip
+        if self._closed:
+            return "closing"
+        if self._per_ip.get(ip, 0) >= cfg.max_connections_per_ip:
+            return "over max_connections_per_ip"
+        if len(self._pending.get(ip, ())) >= cfg.max_pending_per_ip:
+            self._evict_pending(ip)
+        elif self._pending_count >= cfg.max_pending:
+            self._evict_pending(self._most_pending(ip))
+        if len(self._conns_all) - len(self._evicted) >= cfg.max_connections:
+            if not self._pending:
+                return "over max_connections"
+            self._evict_pending(self._most_pending(ip))
+        self._pending.setdefault(ip, {})[conn] = None
+        self._pending_count += 1
+        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+        return ""
+
+    def _most_pending(self, newcomer: str) -> str:
+        return max(self._pending,
+                   key=lambda a: len(self._pending[a]) + (a == newcomer))
+
+    def _evict_pending(self, ip: str) -> None:
+        pending = self._pending.get(ip)
+        if not pending:
+            return
+        oldest = next(iter(pending))
+        self._unpend(oldest)
+        self._evicted.add(oldest)
+        oldest.fail("handshake evicted: too many pending handshakes", penalize=False)
+
+    def _unpend(self, conn: _Connection) -> None:
+        pending = self._pending.get(conn.ip)
+        if pending is not None and conn in pending:
+            del pending[conn]
+            self._pending_count -= 1
+            if not pending:
+                del self._pending[conn.ip]
+
+    def _authenticated(self, conn: _Connection) -> None:
+        """An inbound handshake finished: it no longer counts as pending."""
+        self._unpend(conn)
+
     def _admit(self, conn: _Connection) -> str:
         """Register an authenticated connection; returns a refusal reason or ''."""
         peer = conn.peer_id
@@ -548,7 +719,16 @@ class DataPlane:
         return ""
 
     def _on_lost(self, conn: _Connection, reason: str) -> None:
-        self._conns_all.discard(conn)
+        if conn in self._conns_all:
+            self._conns_all.discard(conn)
+            if conn.ip:
+                self._unpend(conn)
+                left = self._per_ip.get(conn.ip, 0) - 1
+                if left > 0:
+                    self._per_ip[conn.ip] = left
+                else:
+                    self._per_ip.pop(conn.ip, None)
+        self._evicted.discard(conn)
         if not conn.registered or conn.peer_id is None:
             return
         conn.registered = False

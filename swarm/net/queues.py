@@ -152,3 +152,67 @@ class EventQueue(_Bounded[PeerEvent]):
     async def get(self) -> PeerEvent:
         """The oldest event; :raises TransportClosed: closed and empty."""
         return await self._pop()
+
+
+class ByteBudget:
+    """Bytes shared by every connection's frame buffers, granted fairly to waiters.
+
+    :meth:`try_take` succeeds only while nobody waits (a newcomer cannot overtake a
+    waiting connection); :meth:`wait` queues a request under a key (the remote
+    address), and :meth:`give` grants queued requests round-robin across keys, oldest
+    first within one, as bytes come back: an address with many waiting connections gets
+    one grant per turn like any other. The callback runs soon after, with the bytes
+    already reserved for it (a caller that no longer wants them gives them back).
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit <= 0:
+            raise ValueError("a byte budget must be positive")
+        self.limit = limit
+        self.used = 0
+        self._waiters: dict[str, deque[tuple[int, Callable[[int], None]]]] = {}
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiters.values())
+
+    def try_take(self, n: int) -> bool:
+        if self._waiters or self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used = max(0, self.used - n)
+        self._wake()
+
+    def wait(self, n: int, callback: Callable[[int], None], key: str = "") -> None:
+        if n > self.limit:
+            raise ValueError(f"{n} bytes can never fit a budget of {self.limit}")
+        self._waiters.setdefault(key, deque()).append((n, callback))
+        self._wake()
+
+    def cancel(self, callback: Callable[[int], None], key: str = "") -> None:
+        queue = self._waiters.get(key)
+        if queue is None:
+            return
+        kept = deque(w for w in queue if w[1] != callback)
+        if kept:
+            self._waiters[key] = kept
+        else:
+            del self._waiters[key]
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            key = next(iter(self._waiters))
+            queue = self._waiters[key]
+            n, callback = queue[0]
+            if self.used + n > self.limit:
+                return
+            queue.popleft()
+            del self._waiters[key]
+            if queue:
+                self._waiters[key] = queue  # to the back: the next key's turn
+            self.used += n
+            asyncio.get_running_loop().call_soon(callback, n)
