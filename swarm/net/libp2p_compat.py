@@ -250,6 +250,64 @@ async def dial(host: IHost, address: str, *, fresh: bool, sockets: SocketTracker
     await host.connect(info)
 
 
+# -- multistream-select ----------------------------------------------------------
+#: The longest multistream-select message read (a protocol id and its newline).
+MULTISTREAM_MAX_MESSAGE = 1024
+
+
+def bound_multistream_reads(limit: int = MULTISTREAM_MAX_MESSAGE) -> None:
+    """Bound every multistream-select message py-libp2p reads to ``limit`` bytes.
+
+    py-libp2p 0.8.1's ``MultiselectCommunicator.read`` calls ``read_delim``, which
+    reads the varint length a peer announces and then ``read_exactly`` that many bytes,
+    with no bound, and the first negotiation (of the security protocol) runs before
+    authentication: a raw TCP client announcing a 1 GiB "protocol id" and sending for
+    ever grows the node's memory without limit (GHSA-hmjq-g7pp-rw3x, fixed upstream in
+    0.8.2). Until 0.8.2 can be pinned, the method is replaced by one that refuses a
+    length over ``limit`` before reading the body. Idempotent; applied when a
+    :class:`~swarm.net.node.Libp2pNode` starts.
+    """
+    from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
+    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+
+    async def read(self: Any) -> str:
+        stream = self.read_writer
+        try:
+            length = shift = 0
+            for _ in range(3):  # 3 varint bytes: up to 2 MiB, more than any limit here
+                byte = await stream.read(1)
+                if not byte:
+                    raise MultiselectCommunicatorError("closed during multistream-select")
+                length |= (byte[0] & 0x7F) << shift
+                shift += 7
+                if not byte[0] & 0x80:
+                    break
+            else:
+                raise MultiselectCommunicatorError("multistream-select length too long")
+            if not 0 < length <= limit:
+                raise MultiselectCommunicatorError(
+                    f"multistream-select message of {length} bytes (bound {limit})")
+            data = bytearray()
+            while len(data) < length:
+                chunk = await stream.read(length - len(data))
+                if not chunk:
+                    raise MultiselectCommunicatorError("closed during multistream-select")
+                data += chunk
+        except MultiselectCommunicatorError:
+            raise
+        except Exception as exc:  # IOException and friends, as upstream wraps them
+            raise MultiselectCommunicatorError(
+                "fail to read from multiselect communicator") from exc
+        if data[-1:] != b"\n":
+            raise MultiselectCommunicatorError("multistream-select message without newline")
+        return bytes(data[:-1]).decode()
+
+    if getattr(MultiselectCommunicator.read, "_swarm_bounded", None) == limit:
+        return
+    read._swarm_bounded = limit  # type: ignore[attr-defined]
+    MultiselectCommunicator.read = read  # type: ignore[method-assign]
+
+
 # -- errors --------------------------------------------------------------------------
 # py-libp2p wraps the cause of a failed dial or stream several layers deep (a Noise
 # ``HandshakeFailure`` under a ``SecurityUpgradeFailure`` under a ``SwarmException``

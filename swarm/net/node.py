@@ -168,6 +168,7 @@ class Libp2pNode:
             raise TransportClosed("a node is entered once")
         self._entered = True
         try:
+            compat.bound_multistream_reads()  # GHSA-hmjq-g7pp-rw3x (py-libp2p 0.8.1)
             self._guest = await self._stack.enter_async_context(trio_guest())
             route_libp2p_logging()
             if self.config.data_plane is not None:
