@@ -101,8 +101,11 @@ def _cmd(*extra: str) -> list[str]:
 
 
 async def _spawn(cmd: list[str], log_path: Path) -> asyncio.subprocess.Process:
+    """Start a node; its stderr (warnings, errors) goes to ``log_path``, opened for
+    appending so the demo can add the node's status events there too (see ``read``)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "wb") as err:
+    log_path.write_bytes(b"")
+    with open(log_path, "ab") as err:
         return await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=err, env=env,
             start_new_session=True)
@@ -119,16 +122,18 @@ async def _main(args: argparse.Namespace) -> int:
     procs: list[asyncio.subprocess.Process] = []
     readers: list[asyncio.Task[None]] = []
 
-    async def read(proc: asyncio.subprocess.Process) -> None:
+    async def read(proc: asyncio.subprocess.Process, log_path: Path) -> None:
         assert proc.stdout is not None
-        async for line in proc.stdout:
-            with contextlib.suppress(ValueError):
-                await events.put(json.loads(line))
+        with open(log_path, "ab", buffering=0) as log_file:  # the node's events, as they come
+            async for line in proc.stdout:
+                log_file.write(line)
+                with contextlib.suppress(ValueError):
+                    await events.put(json.loads(line))
 
     async def start(cmd: list[str], name: str) -> asyncio.subprocess.Process:
         proc = await _spawn(cmd, base / f"{name}.log")
         procs.append(proc)
-        readers.append(asyncio.create_task(read(proc)))
+        readers.append(asyncio.create_task(read(proc, base / f"{name}.log")))
         return proc
 
     t_start = time.perf_counter()
