@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_node_arguments(p, default_port=4001)
     p.add_argument("--peer", action="append", default=[],
                    help="another bootstrap node's multiaddr to stay connected to")
-    p.add_argument("--trainer", action="append", default=[], metavar="PEER_ID",
+    p.add_argument("--trainer", action="append", default=[], metavar="PEER_ID", dest="trainers",
                    help="a trainer of the run (repeatable): relay its signed manifests and "
                         "the run's lease traffic; without it neither topic is relayed")
 
@@ -64,7 +64,7 @@ async def _main(args: argparse.Namespace) -> int:
     from swarm.roles.status import Reporter
 
     try:
-        trainer_keys = [public_key_from_peer_id(t) for t in args.trainer]
+        trainer_keys = [public_key_from_peer_id(t) for t in args.trainers]
     except ValueError as exc:  # SignatureError: not an Ed25519 peer id
         print(f"swarm: error: --trainer: {exc}", file=sys.stderr)
         return 2
@@ -103,7 +103,7 @@ async def _main(args: argparse.Namespace) -> int:
                     seen["dropped_direct"] += 1
 
         report.emit("ready", addr=node.listen_addresses[0], peer_id=identity.peer_id,
-                    trainers=list(args.trainer),
+                    trainers=list(args.trainers),
                     relays=["peers", *(key for key, _ in subs)])
         async with asyncio.TaskGroup() as tg:
             for key, sub in subs:
