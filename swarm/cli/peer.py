@@ -122,8 +122,8 @@ async def _main(args: argparse.Namespace) -> int:
 
 def _warn(report: Reporter, event: str, line: str, **fields: object) -> None:
     """A warning: one line on stderr, and a status event (JSON with --status-json)."""
-    report.emit(event, **fields)
     print(f"swarm: warning: {line}", file=sys.stderr, flush=True)
+    report.emit(event, **fields)
 
 
 async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,

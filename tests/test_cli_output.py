@@ -1,0 +1,201 @@
+"""What the person at the terminal sees: real `python -m swarm` processes on loopback.
+
+Bad flags end in one ``swarm: error:`` line; trainer and peer print progress lines (no
+JSON) by default; a wrong ``--trainer`` id and a trainer gone away are said on stderr;
+libp2p's per-dial errors are summed up; ``swarm inspect`` reads what the nodes leave.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import pytest
+
+from swarm.identity import Identity
+from tests.swarmproc import cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+OTHER_ID = Identity.from_seed(b"o" * 32).peer_id
+
+
+def swarm(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "swarm", *argv], cwd=cwd, text=True,
+                          capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def one_error_line(out: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("swarm: error: "), out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("case", ["listen", "data-file", "data-ro", "bootstrap", "trainer",
+                                  "bootstrap-no-id"])
+def test_bad_input_is_one_error_line(tmp_path: Path, case: str) -> None:
+    (tmp_path / "afile").write_text("x")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    good_boot = f"/ip4/127.0.0.1/tcp/1/p2p/{OTHER_ID}"
+    argv = {
+        "listen": (["--listen", "0.0.0.0:4002"], "--listen '0.0.0.0:4002'"),
+        "data-file": (["--data-dir", "afile"], "is not a directory"),
+        "data-ro": (["--data-dir", "ro/sub"], "--data-dir ro/sub"),
+        "bootstrap": (["--bootstrap", "203.0.113.7:4001"], "--bootstrap"),
+        "bootstrap-no-id": (["--bootstrap", "/ip4/127.0.0.1/tcp/4001"], "/p2p/PEER_ID"),
+        "trainer": (["--trainer", "12D3KooWnotanid"], "--trainer '12D3KooWnotanid'"),
+    }[case]
+    if os.geteuid() == 0 and case == "data-ro":
+        pytest.skip("root writes anywhere")
+    base = {"--bootstrap": good_boot, "--trainer": OTHER_ID, "--data-dir": "p",
+            "--listen": "/ip4/127.0.0.1/tcp/0"}
+    flags, needle = argv
+    base[flags[0]] = flags[1]
+    out = swarm("peer", *[x for kv in base.items() for x in kv], cwd=tmp_path)
+    one_error_line(out, needle)
+    if case in ("listen", "data-file"):
+        t = swarm("trainer", flags[0], flags[1], "--steps", "0", cwd=tmp_path)
+        one_error_line(t, needle)
+
+
+class Lines:
+    """A process whose stdout and stderr lines are read as they come."""
+
+    def __init__(self, argv: list[str], cwd: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarm", *argv], cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._q: queue.Queue[tuple[str, str]] = queue.Queue()
+        self._readers = [
+            threading.Thread(target=self._read, args=(name, stream, sink), daemon=True)
+            for name, stream, sink in (("out", self.proc.stdout, self.out),
+                                       ("err", self.proc.stderr, self.err))]
+        for r in self._readers:
+            r.start()
+
+    def _read(self, name: str, stream: object, sink: list[str]) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            sink.append(line.rstrip("\n"))
+            self._q.put((name, line))
+
+    def wait_line(self, which: str, needle: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in (self.out if which == "out" else self.err):
+                if needle in line:
+                    return line
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {needle!r} on std{which} in {timeout} s; "
+                                     f"out {self.out[-10:]}, err {self.err[-10:]}")
+            with suppress(queue.Empty):
+                self._q.get(timeout=min(left, 1.0))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for r in self._readers:
+            r.join(5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@contextmanager
+def started(*procs: Lines) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.mark.slow
+def test_trainer_and_peer_print_progress_and_a_gone_trainer(tmp_path: Path) -> None:
+    trainer = Lines(["trainer", "--data-dir", "t", "--steps", "2", "--prompts", "4",
+                     "--group", "2", "--linger", "2"], tmp_path)
+    with started(trainer):
+        cmd = trainer.wait_line("out", "swarm peer --bootstrap", 90).split()
+        tid = cmd[cmd.index("--trainer") + 1]
+        assert trainer.out[0] == f"trainer {tid}"
+        assert trainer.out[1].startswith("listening on /ip4/127.0.0.1/tcp/")
+        peer = Lines(["peer", *cmd[cmd.index("--bootstrap"):], "--data-dir", "p",
+                      "--warn-after", "2", "--trainer-timeout", "8"], tmp_path)
+        with started(peer):
+            peer.wait_line("out", f"following trainer {tid}", 60)
+            line = peer.wait_line("out", "version 2 verified", 120)
+            assert "down" in line and "from the trainer" in line and "leases" in line
+            trainer.wait_line("out", "step 2 published:", 10)
+            trainer.wait_line("out", "last version 2 reached 1 of 1", 30)
+            assert trainer.proc.wait(60) == 0
+            assert not any(x.startswith("{") for x in trainer.out + peer.out)
+            # The trainer is gone: said every 2 s, then the peer gives up.
+            peer.wait_line("err", "unreachable for", 30)
+            assert peer.proc.wait(60) == 2
+            time.sleep(0.5)
+            last = peer.err[-1]
+            assert last.startswith("swarm: error: trainer ") and "giving up" in last
+            errs = "\n".join(peer.err)
+            assert "Traceback" not in errs
+            assert not any(x.startswith("Failed to open TCP stream") for x in peer.err)
+            assert sum("dial(s) failed" in x for x in peer.err) <= 2, errs
+    # swarm inspect reads what both left.
+    out = swarm("inspect", "t", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"key           {tid}" in out.stdout and "step          2 (delta)" in out.stdout
+    assert "lease book    run 'demo', latest step 2" in out.stdout
+    assert "chunk store" in out.stdout and "signatures    valid" in out.stdout
+    out = swarm("inspect", "p/peer.state", "--trainer", tid, cwd=tmp_path)
+    assert out.returncode == 0 and "step          2" in out.stdout, out
+    bad = swarm("inspect", "p/peer.state", "--trainer", OTHER_ID, cwd=tmp_path)
+    assert bad.returncode == 2 and "signatures    INVALID" in bad.stdout
+    assert bad.stderr.startswith("swarm: error:")
+
+
+@pytest.mark.slow
+def test_a_wrong_trainer_id_is_said_and_status_json_stays_json(tmp_path: Path) -> None:
+    with cluster(tmp_path) as c:
+        t = c.start("trainer", "trainer", "--data-dir", "t", "--steps", "1", "--linger", "60",
+                    "--prompts", "4", "--group", "2")
+        addr = str(t.wait_event("ready", 90)["addr"])
+        p = c.start("p", "peer", "--bootstrap", addr, "--trainer", OTHER_ID, "--data-dir", "p",
+                    "--warn-after", "3")
+        ev = p.wait_event("no_manifest", 60)
+        assert ev["trainer"] == OTHER_ID and ev["connected"] is False
+        deadline = time.monotonic() + 5  # stderr is a file the test reads back
+        while "check that --trainer" not in p.stderr and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "no manifest from trainer" in p.stderr and "check that --trainer" in p.stderr
+        assert all(line.startswith("{") for line in p.stdout_lines + t.stdout_lines)
+
+
+@pytest.mark.slow
+def test_quiet_prints_nothing_on_stdout(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "swarm", "peer", "--quiet", "--data-dir", "p",
+                          "--bootstrap", f"/ip4/127.0.0.1/tcp/9/p2p/{OTHER_ID}",
+                          "--trainer", OTHER_ID], cwd=tmp_path, text=True,
+                         capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.stdout == ""
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith("swarm: error: ")
+    assert not any(x.startswith("Failed to open TCP stream") for x in out.stderr.splitlines())
