@@ -36,7 +36,14 @@ class Topology:
 
 
 class FlowNetwork:
-    """Active flows, their fair rates, and byte counters per node and region pair."""
+    """Active flows, their fair rates, and byte counters per node and region pair.
+
+    Draining is lazy: between two recomputations every rate is fixed, so the remaining
+    bytes are stored as of the last recomputation (``_t0``) and only brought forward
+    when rates change; :meth:`advance` just moves the clock, and a flow's bytes are
+    credited to the counters when it finishes or is cancelled (the counters add the
+    partial bytes of the flows still going when read).
+    """
 
     def __init__(self, topo: Topology, tolerance: float = 0.02, quantum: float = 0.0) -> None:
         self.topo = topo
@@ -49,6 +56,7 @@ class FlowNetwork:
         self._cap = np.concatenate([np.array(topo.up, np.float64),
                                     np.array(topo.down, np.float64), wan])
         self._region = np.array(topo.region, dtype=np.int64)
+        self._region_of = topo.region
         size = 64
         self._src = np.zeros(size, np.int64)
         self._dst = np.zeros(size, np.int64)
@@ -56,19 +64,25 @@ class FlowNetwork:
         self._rate = np.zeros(size, np.float64)
         self._active = np.zeros(size, bool)
         self._free: list[int] = list(range(size - 1, -1, -1))
+        self._n_active = 0
         self._dirty = False
         self._stale = False
         self._next: tuple[float, int] | None = None
         self.now = 0.0
-        self.node_up_bytes = np.zeros(n, np.float64)
-        self.node_down_bytes = np.zeros(n, np.float64)
-        self.region_bytes = np.zeros((r, r), np.float64)
+        self._t0 = 0.0
+        """Time at which ``_rem`` is exact (the last recomputation)."""
+        self._up = np.zeros(n, np.float64)
+        self._down = np.zeros(n, np.float64)
+        self._pairs = np.zeros((r, r), np.float64)
         self.recomputes = 0
 
     # ------------------------------------------------------------ flows
 
     def start(self, src: int, dst: int, nbytes: int) -> int:
-        """Start a flow; returns its slot id (valid until it completes or is cancelled)."""
+        """Start a flow; returns its slot id (valid until it completes or is cancelled).
+
+        It runs at rate 0 until the next recomputation, so it cannot be the next to
+        finish: the cached next completion stays valid."""
         if not self._free:
             self._grow()
         slot = self._free.pop()
@@ -76,15 +90,34 @@ class FlowNetwork:
         self._rem[slot] = float(max(nbytes, 1))
         self._rate[slot] = 0.0
         self._active[slot] = True
-        self._dirty = self._stale = True
+        self._n_active += 1
+        self._dirty = True
         return slot
 
     def cancel(self, slot: int) -> None:
         """Stop a flow early (a node crashed): the bytes already sent stay counted."""
         if self._active[slot]:
-            self._active[slot] = False
-            self._free.append(slot)
-            self._dirty = self._stale = True
+            self._retire(slot)
+
+    def _retire(self, slot: int) -> tuple[int, int]:
+        src, dst = int(self._src[slot]), int(self._dst[slot])
+        rate = float(self._rate[slot])
+        if rate > 0.0:
+            sent = min(rate * (self.now - self._t0), float(self._rem[slot]))
+            if sent > 0.0:
+                self._up[src] += sent
+                self._down[dst] += sent
+                reg = self._region_of
+                self._pairs[reg[src], reg[dst]] += sent
+        self._active[slot] = False
+        self._rate[slot] = 0.0
+        self._free.append(slot)
+        self._n_active -= 1
+        self._dirty = True
+        nxt = self._next
+        if nxt is not None and nxt[1] == slot:
+            self._stale = True
+        return src, dst
 
     def _grow(self) -> None:
         old = len(self._src)
@@ -98,25 +131,60 @@ class FlowNetwork:
 
     @property
     def n_active(self) -> int:
-        return int(self._active.sum())
+        return self._n_active
 
     def advance(self, t: float) -> None:
-        """Move time to ``t``, draining every flow at its current rate."""
-        dt = t - self.now
-        if dt < 0:
+        """Move time to ``t`` (flows drain at their current rates, see the class)."""
+        if t < self.now:
             raise ValueError("time runs forward")
-        if dt > 0:
-            idx = np.flatnonzero(self._active)
-            if len(idx):
-                moved = np.minimum(self._rate[idx] * dt, self._rem[idx])
-                self._rem[idx] -= moved
-                src, dst = self._src[idx], self._dst[idx]
-                n, r = self._n, self._r
-                self.node_up_bytes += np.bincount(src, moved, minlength=n)
-                self.node_down_bytes += np.bincount(dst, moved, minlength=n)
-                pair = self._region[src] * r + self._region[dst]
-                self.region_bytes += np.bincount(pair, moved, minlength=r * r).reshape(r, r)
         self.now = t
+
+    def _moved(self) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, bytes each active flow sent since ``_t0``)."""
+        idx = np.flatnonzero(self._active)
+        dt = self.now - self._t0
+        if not len(idx) or dt <= 0:
+            return idx, np.zeros(len(idx))
+        return idx, np.minimum(self._rate[idx] * dt, self._rem[idx])
+
+    def _drain(self) -> None:
+        """Bring ``_rem`` and the counters forward to ``now``."""
+        idx, moved = self._moved()
+        if len(idx) and moved.any():
+            self._rem[idx] -= moved
+            self._credit(idx, moved, self._up, self._down, self._pairs)
+        self._t0 = self.now
+
+    def _credit(self, idx: np.ndarray, moved: np.ndarray, up: np.ndarray, down: np.ndarray,
+                pairs: np.ndarray) -> None:
+        src, dst = self._src[idx], self._dst[idx]
+        n, r = self._n, self._r
+        up += np.bincount(src, moved, minlength=n)
+        down += np.bincount(dst, moved, minlength=n)
+        pair = self._region[src] * r + self._region[dst]
+        pairs += np.bincount(pair, moved, minlength=r * r).reshape(r, r)
+
+    def _counters(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        up, down, pairs = self._up.copy(), self._down.copy(), self._pairs.copy()
+        idx, moved = self._moved()
+        if len(idx):
+            self._credit(idx, moved, up, down, pairs)
+        return up, down, pairs
+
+    @property
+    def node_up_bytes(self) -> np.ndarray:
+        """Bytes each node has sent, up to ``now``."""
+        return self._counters()[0]
+
+    @property
+    def node_down_bytes(self) -> np.ndarray:
+        """Bytes each node has received, up to ``now``."""
+        return self._counters()[1]
+
+    @property
+    def region_bytes(self) -> np.ndarray:
+        """``region_bytes[a][b]``: bytes sent from region ``a`` to region ``b``."""
+        return self._counters()[2]
 
     def next_completion(self) -> tuple[float, int] | None:
         """(time, slot) of the flow that finishes first at current rates.
@@ -128,16 +196,18 @@ class FlowNetwork:
         """
         if self._dirty and self.now >= self._last_recompute + self.quantum:
             self._last_recompute = self.now
+            self._drain()
             self._recompute()
             self._stale = True
         if self._stale:
-            # draining at fixed rates keeps the order of finishing: cache until a change
+            # fixed rates keep the order of finishing: cache until a rate changes or the
+            # cached flow leaves
             self._stale = False
-            idx = np.flatnonzero(self._active & (self._rate > 0))
+            idx = np.flatnonzero(self._rate > 0)
             if len(idx):
                 eta = self._rem[idx] / self._rate[idx]
                 k = int(np.argmin(eta))
-                self._next = (self.now + float(eta[k]), int(idx[k]))
+                self._next = (self._t0 + float(eta[k]), int(idx[k]))
             else:
                 self._next = None
         if self._dirty:
@@ -148,10 +218,7 @@ class FlowNetwork:
 
     def finish(self, slot: int) -> tuple[int, int]:
         """Retire a completed flow; returns (src, dst)."""
-        self._active[slot] = False
-        self._free.append(slot)
-        self._dirty = self._stale = True
-        return int(self._src[slot]), int(self._dst[slot])
+        return self._retire(slot)
 
     # ------------------------------------------------------------ fair sharing
 
