@@ -102,9 +102,15 @@ class SwarmSim:
         self.spec, self.truth = make_payload(sc.chunk_sizes(), self.seed, sc.chunk_payload)
         self._truth_by_id = dict(zip(self.spec.chunk_ids, self.truth, strict=True))
         self.config = config or ExchangeConfig()
+        # the trainer keeps about 48 suggestions out (its uplink's bandwidth-delay
+        # product in chunks), spread over its neighbours: one each in a large swarm, more
+        # in a small one (with one suggestion per neighbour a lone peer would fetch its
+        # chunks stop-and-wait, at two round trips per chunk)
+        suggest_total = 48
         self.trainer_config = trainer_config or ExchangeConfig(
-            unchoke_all=True, super_seed=True, max_queue=256, suggest_depth=1,
-            suggest_total=48)
+            unchoke_all=True, super_seed=True, max_queue=256,
+            suggest_depth=max(1, suggest_total // max(1, pop.initial)),
+            suggest_total=suggest_total)
         self.scale_slots = True
         self.pump_always = pump_always
         """Collect a node's output after every message, not only when it says it has some
@@ -113,6 +119,8 @@ class SwarmSim:
         self.cores: dict[int, Exchange] = {}
         self.alive: set[int] = set()
         self.links: dict[int, set[int]] = {}
+        self._nbr: dict[int, dict[str, tuple[int, int]]] = {}
+        """Per node: each neighbour's name -> (index, region), to route its output."""
         self.busy: dict[tuple[int, int], int] = {}
         self.up_active: dict[int, int] = {}
         self.up_wait: dict[int, deque[int]] = {}
@@ -166,6 +174,7 @@ class SwarmSim:
         self.cores[i] = core
         self.alive.add(i)
         self.links[i] = set()
+        self._nbr[i] = {}
         self.up_active[i] = 0
         self.up_wait[i] = deque()
         if i == 0:
@@ -180,6 +189,8 @@ class SwarmSim:
         self.links[b].add(a)
         rtt = 2 * self._lat(a, b)
         ra, rb = self.topo.region[a], self.topo.region[b]
+        self._nbr[a][self._names[b]] = (b, rb)
+        self._nbr[b][self._names[a]] = (a, ra)
         names = self.pop.scenario.regions
         self.cores[a].connect(peer_name(b), self.now, region=names[rb], rtt=rtt,
                               trainer=b == 0, upload=self.topo.up[b],
@@ -205,6 +216,8 @@ class SwarmSim:
             return
         self.links[a].discard(b)
         self.links.get(b, set()).discard(a)
+        self._nbr[a].pop(self._names[b], None)
+        self._nbr.get(b, {}).pop(self._names[a], None)
         for src, dst in ((a, b), (b, a)):
             slot = self.busy.pop((src, dst), None)
             if slot is not None:
@@ -219,22 +232,21 @@ class SwarmSim:
         core = self.cores[i]
         out = core.take_outgoing()
         if out:
-            # one heap entry per arrival time: the messages a node sends in one go reach
-            # each region after the same latency, so they are delivered together, in order
-            now, index, links = self.now, self._index, self.links[i]
-            region = self.topo.region
-            lat = self.topo.latency[region[i]]
-            batches: dict[float, list[tuple[int, Message]]] = {}
+            # one heap entry per destination region: the messages a node sends in one go
+            # reach a region after the same latency, so they are delivered together, in
+            # order (messages to nodes it is no longer linked with are dropped)
+            nbr = self._nbr[i]
+            batches: dict[int, list[tuple[int, Message]]] = {}
             for name, msg in out:
-                j = index[name]
-                if j in links:
-                    at = now + lat[region[j]]
-                    batch = batches.get(at)
+                e = nbr.get(name)
+                if e is not None:
+                    batch = batches.get(e[1])
                     if batch is None:
-                        batches[at] = batch = []
-                    batch.append((j, msg))
-            for at, batch in batches.items():
-                self._push(at, _MSG, i, 0, batch)
+                        batches[e[1]] = batch = []
+                    batch.append((e[0], msg))
+            lat = self.topo.latency[self.topo.region[i]]
+            for reg, batch in batches.items():
+                self._push(self.now + lat[reg], _MSG, i, 0, batch)
         ready = core.take_upload_ready()
         if ready:
             wait = self.up_wait[i]
@@ -385,19 +397,27 @@ class SwarmSim:
             assert isinstance(payload, list)
             name = self._names[a]
             alive, links, cores, now = self.alive, self.links, self.cores, self.now
-            last = len(payload) - 1
+            always = self.pump_always
+            prev = -1
+            core: Exchange | None = None
             dirty = False
-            for k, (j, msg) in enumerate(payload):
-                if j in alive and a in links[j]:
-                    core = cores[j]
+            for j, msg in payload:
+                if j != prev:
+                    # several messages to one node in a row: handle them all, then pump
+                    # (pumping may drop links, so each run checks its link again)
+                    if dirty:
+                        self._pump(prev)
+                        dirty = False
+                    prev = j
+                    core = cores[j] if j in alive and a in links[j] else None
+                if core is not None:
                     core.receive(name, msg, now)
-                    # most messages are haves that only update the receiver's books
-                    if self.pump_always or core.pending():
+                    # most messages are haves that only update the receiver's books; what
+                    # pending() reports stays until it is taken, so one yes is enough
+                    if not dirty and (always or core.pending()):
                         dirty = True
-                # several messages to one node in a row: handle them all, then pump
-                if dirty and (k == last or payload[k + 1][0] != j):
-                    self._pump(j)
-                    dirty = False
+            if dirty:
+                self._pump(prev)
         elif kind == _PIECE:
             if b not in self.alive or a not in self.links[b]:
                 return
