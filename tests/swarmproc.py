@@ -125,8 +125,13 @@ class Cluster:
         return p
 
     def bootstrap(self) -> SwarmProc:
+        """A bootstrap node that relays the trainer's manifests (the trainer's key is
+        made first, in its data dir, as an operator would with ``swarm keygen``)."""
+        from swarm.identity import Identity
+
+        trainer_id = Identity.load_or_create(self.root / "trainer" / "node.key").peer_id
         b = self.start("bootstrap", "bootstrap", "--data-dir", "boot",
-                       "--listen", "/ip4/127.0.0.1/tcp/0")
+                       "--listen", "/ip4/127.0.0.1/tcp/0", "--trainer", trainer_id)
         self.bootstrap_addr = str(b.wait_event("ready", 60)["addr"])
         return b
 

@@ -21,13 +21,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from swarmproc import SwarmProc
+from test_net_libp2p import ident, manifest
 
 from swarm.net import topics
 from swarm.net.gossip import GossipConfig
 from swarm.net.node import Libp2pNode, NodeConfig
 from swarm.net.transport import TransportClosed
-from tests.swarmproc import SwarmProc
-from tests.test_net_libp2p import ident, manifest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -194,13 +194,7 @@ def holders_of_latest(node: TrainerNode) -> set[str]:
     """Peers that told this trainer they hold every chunk of its latest version."""
     if not node.manifests:
         return set()
-    sm = node.manifests[-1]
-    # The exchange's per-chunk holder sets (its Have/bitfield bookkeeping).
-    obj = getattr(node.driver.exchange, "_objects", {}).get(sm.id)
-    if obj is None or not sm.manifest.chunks:
-        return set()
-    sets = [set(h) for h in obj.holders]
-    return set.intersection(*sets) if sets else set()
+    return set(node.driver.exchange.holders_of(node.manifests[-1].id))
 
 
 async def wait_delivered(node: TrainerNode, peers: set[str], timeout: float

@@ -148,6 +148,19 @@ class Exchange(DownloadSide, UploadSide):
         """Seconds since a chunk of ``obj`` last arrived (or since it was added)."""
         return now - self._objects[obj].last_chunk
 
+    def holders_of(self, obj: bytes) -> frozenset[str]:
+        """Neighbours that announced every chunk of ``obj`` (none if it is not exchanged
+        or has no chunks)."""
+        o = self._objects.get(obj)
+        if o is None or not o.holders:
+            return frozenset()
+        return frozenset(set.intersection(*(set(h) for h in o.holders)))
+
+    def bytes_from(self, peer: str) -> int:
+        """Bytes of verified pieces received from ``peer`` over its current connection."""
+        p = self._peers.get(peer)
+        return 0 if p is None else p.bytes_from
+
     def progress(self, obj: bytes) -> tuple[int, int]:
         """(chunks held, chunks total) of ``obj``."""
         o = self._objects[obj]

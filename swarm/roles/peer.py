@@ -448,8 +448,7 @@ class RolloutPeer(NodeBase):
             "bytes_up": self.driver.exchange.bytes_up,
             "bytes_down": self.driver.exchange.bytes_down,
             # bytes from the trainer over its current connection (the CLI's progress line)
-            "bytes_from_trainer": getattr(self.driver.exchange._peers.get(self.config.trainer),
-                                          "bytes_from", 0),
+            "bytes_from_trainer": self.driver.exchange.bytes_from(self.config.trainer),
         })
 
     async def _local_matches(self, sm: SignedManifest) -> bool:
