@@ -114,3 +114,22 @@ def test_public_key_from_bad_peer_id(bad: str) -> None:
 def test_peer_id_rejects_wrong_key_length() -> None:
     with pytest.raises(ValueError):
         peer_id_from_public_key(b"x" * 31)
+
+
+def test_signed_messages_share_one_domain_rule() -> None:
+    """Manifests, lease messages and gossip envelopes sign ``domain + body`` with the
+    domains they always had on the wire; a signature of one kind or topic never verifies
+    as another."""
+    from swarm.errors import SignatureError
+    from swarm.identity import sign_message, signing_domain, verify_message
+
+    assert signing_domain("manifest") == b"swarm/manifest/v1\0"
+    assert signing_domain("claim", 1) == b"swarm/claim/v1\0"
+    assert signing_domain("gossip", 1, "/swarm/r/have/1") == b"swarm/gossip/v1\0/swarm/r/have/1\0"
+    me = Identity.from_seed(b"d" * 32)
+    sig = sign_message(me, signing_domain("manifest"), b"body")
+    verify_message(me.public_key, sig, signing_domain("manifest"), b"body")
+    for other in (signing_domain("lease"), signing_domain("manifest", 2),
+                  signing_domain("gossip", 1, "t")):
+        with pytest.raises(SignatureError):
+            verify_message(me.public_key, sig, other, b"body")

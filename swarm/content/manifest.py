@@ -13,8 +13,15 @@ from dataclasses import dataclass, field
 
 from swarm.content.ids import DIGEST_LEN
 from swarm.errors import DecodeError, SignatureError
-from swarm.identity import PUBLIC_KEY_LEN, SIGNATURE_LEN, Identity, peer_id_from_public_key
-from swarm.identity import verify as verify_signature
+from swarm.identity import (
+    PUBLIC_KEY_LEN,
+    SIGNATURE_LEN,
+    Identity,
+    peer_id_from_public_key,
+    sign_message,
+    signing_domain,
+    verify_message,
+)
 from swarm.wire import strict
 
 FORMAT_VERSION = 1
@@ -25,7 +32,7 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_RUN_LEN = 128
 MAX_CODEC_LEN = 64
 MAX_STEP = (1 << 63) - 1
-_DOMAIN = b"swarm/manifest/v1\0"
+_DOMAIN = signing_domain("manifest")
 _BODY_KEYS = frozenset({
     "v", "run", "step", "kind", "base", "target", "layout", "codec", "piece",
     "chunks", "keep", "time", "signer",
@@ -102,7 +109,7 @@ class Manifest:
             self.keep_versions, self.time_ms, identity.public_key,
         )
         body = signed_body.body()
-        return SignedManifest(signed_body, body, identity.sign(_DOMAIN + body))
+        return SignedManifest(signed_body, body, sign_message(identity, _DOMAIN, body))
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +153,12 @@ class SignedManifest:
                 f"{peer_id_from_public_key(trusted_signer)}"
             )
         if check_signature:
-            verify_signature(manifest.signer, sig, _DOMAIN + body)
+            verify_message(manifest.signer, sig, _DOMAIN, body)
         return cls(manifest, body, sig)
 
     def verify(self) -> bool:
         try:
-            verify_signature(self.manifest.signer, self.signature, _DOMAIN + self.body)
+            verify_message(self.manifest.signer, self.signature, _DOMAIN, self.body)
         except SignatureError:
             return False
         return True

@@ -59,8 +59,10 @@ from swarm.identity import (
     SIGNATURE_LEN,
     Identity,
     peer_id_from_public_key,
+    sign_message,
+    signing_domain,
+    verify_message,
 )
-from swarm.identity import verify as verify_signature
 from swarm.wire import strict
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,6 @@ MAX_HAVE_BYTES = 64 << 10
 MAX_LEASE_BYTES = MAX_GOSSIP_BYTES
 MAX_RUN_NAME = 64
 _RUN_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_ENVELOPE_DOMAIN = b"swarm/gossip/v1\0"
 _META_KEYS = frozenset({"v", "addrs", "data", "region", "bw", "time"})
 MAX_ADDRS = 8
 MAX_ADDR_LEN = 200
@@ -117,7 +118,7 @@ class SignedEnvelope:
 
     @classmethod
     def seal(cls, identity: Identity, topic: str, body: bytes) -> SignedEnvelope:
-        sig = identity.sign(_ENVELOPE_DOMAIN + topic.encode() + b"\0" + body)
+        sig = sign_message(identity, signing_domain("gossip", 1, topic), body)
         return cls(topic, body, identity.public_key, sig)
 
     def encode(self) -> bytes:
@@ -138,7 +139,7 @@ class SignedEnvelope:
         body, signer, sig = obj
         if len(signer) != PUBLIC_KEY_LEN or len(sig) != SIGNATURE_LEN:
             raise DecodeError("envelope: bad signer or signature length")
-        verify_signature(signer, sig, _ENVELOPE_DOMAIN + topic.encode() + b"\0" + body)
+        verify_message(signer, sig, signing_domain("gossip", 1, topic), body)
         return cls(topic, body, signer, sig)
 
 

@@ -36,7 +36,7 @@ from swarm.protocol.leases import (
     Verdict,
     decode_message,
 )
-from swarm.protocol.leases.messages import LEASE_ID_LEN, ms, signing_domain
+from swarm.protocol.leases.messages import LEASE_ID_LEN, lease_domain, ms
 from swarm.protocol.scheduling import SchedulingConfig
 
 SCENARIOS = ("baseline", "kill", "forgery", "partition", "restart", "stragglers")
@@ -501,7 +501,7 @@ def _add_attackers(world: _World) -> set[str]:
         else:
             impostor = replace(lease, signer=trainer_key)
             data = replace(impostor, signature=forger.ident.sign(
-                signing_domain("lease") + impostor.body())).encode()
+                lease_domain("lease") + impostor.body())).encode()
         world.send(forger.id, victim.id, data)
         world.sim.at(now + 1.0, forge)
 

@@ -24,8 +24,10 @@ from swarm.identity import (
     SIGNATURE_LEN,
     Identity,
     peer_id_from_public_key,
+    sign_message,
+    signing_domain,
+    verify_message,
 )
-from swarm.identity import verify as verify_signature
 from swarm.wire import strict
 
 FORMAT_VERSION = 1
@@ -410,7 +412,7 @@ class _Signed:
         """:raises SignatureError: unsigned, or the signature does not match the signer."""
         if len(self.signature) != SIGNATURE_LEN:
             raise SignatureError(f"{self.TAG}: unsigned")
-        verify_signature(self.signer, self.signature, signing_domain(self.TAG) + self.body())
+        verify_message(self.signer, self.signature, lease_domain(self.TAG), self.body())
 
     def is_valid(self) -> bool:
         try:
@@ -425,9 +427,9 @@ class _Signed:
         return domain_hash("swarm/lease-message", self.TAG.encode(), self.body(), self.signature)
 
 
-def signing_domain(tag: str) -> bytes:
+def lease_domain(tag: str) -> bytes:
     """The prefix a message of type ``tag`` signs before its body: ``swarm/<tag>/v1\\0``."""
-    return f"swarm/{tag}/v{FORMAT_VERSION}".encode() + b"\0"
+    return signing_domain(tag, FORMAT_VERSION)
 
 
 _M = TypeVar("_M", bound=_Signed)
@@ -436,7 +438,7 @@ _M = TypeVar("_M", bound=_Signed)
 def _sign(msg: _M, identity: Identity) -> _M:
     unsigned: Any = replace(cast(Any, msg), signer=identity.public_key, signature=b"")
     signed: _M = replace(unsigned,
-                         signature=identity.sign(signing_domain(msg.TAG) + unsigned.body()))
+                         signature=sign_message(identity, lease_domain(msg.TAG), unsigned.body()))
     return signed
 
 
@@ -744,6 +746,6 @@ def decode_message(data: bytes | bytearray | memoryview, *,
     msg = replace(msg, signature=signature)
     object.__setattr__(msg, "_body", body)  # canonical: exactly what the fields pack to
     if check_signature:
-        verify_signature(msg.signer, signature, signing_domain(tag) + body)
+        verify_message(msg.signer, signature, lease_domain(tag), body)
     return msg
 
