@@ -511,3 +511,49 @@ def test_a_neighbour_that_refuses_an_announced_chunk_is_not_asked_again() -> Non
     asked_other = [m for s, d, m in net.sent if s == "me" and d == "other"
                    and isinstance(m, Request)]
     assert len(asked_other) <= 4  # each chunk asked of it once at most
+
+
+def test_dropping_an_object_refuses_its_queued_requests() -> None:
+    spec, chunks = make_object()
+    seed = Exchange("seed", region="r", seed=1)
+    leech = Exchange("leech", region="r", seed=2)
+    seed.add_object(spec, 0.0, dict(enumerate(chunks)))
+    leech.add_object(spec, 0.0)
+    seed.connect("leech", 0.0)
+    leech.connect("seed", 0.0)
+    _queue_requests(seed, leech)
+    queued = seed.upload_queued("leech")
+    seed.remove_object(spec.obj)
+    rejects = [m for _, m in seed.take_outgoing() if isinstance(m, Reject)]
+    assert len(rejects) == queued  # refused at once, not left to time out
+
+
+def test_a_neighbour_whose_request_timed_out_does_not_hold_back_the_trainer() -> None:
+    """A neighbour that dropped an object without answering (or lies) costs one time-out;
+    the chunk then comes from the trainer, not after the neighbour strikes out."""
+    spec, chunks = make_object(4)
+    net = Net()
+    trainer = net.add(Exchange("trainer", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    net.add(Exchange("ghost", seed=2, config=ExchangeConfig(unchoke_all=True)))
+    me = net.add(Exchange("me", seed=3, config=ExchangeConfig(request_timeout=1.0,
+                                                              last_resort_delay=0.5)))
+    trainer.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me.add_object(spec, 0.0)
+    net.silent.add("ghost")
+    me.connect("ghost", 0.0, rtt=0.01)
+    me.receive("ghost", Bitfield(spec.obj, 4, b"\x0f"), 0.0)
+    me.receive("ghost", Unchoke(), 0.0)
+    net.link("me", "trainer", 0.0, trainer_b=True)
+    now = 0.0
+    for _ in range(100):
+        net.run(now)
+        if me.is_complete(spec.obj):
+            break
+        t = me.next_timer()
+        assert t is not None
+        now = max(t, now + 0.01)
+        me.handle_timer(now)
+    assert me.is_complete(spec.obj)
+    assert now < 2.5  # one 1 s time-out, then the trainer (3 strikes would be > 3 s)
+    stored = [e for e in net.events["me"] if isinstance(e, ChunkStored)]
+    assert {e.source for e in stored} == {"trainer"}

@@ -342,8 +342,9 @@ class Exchange(DownloadSide, UploadSide):
     def remove_object(self, obj: bytes) -> None:
         """Stop exchanging ``obj`` and free its chunks (a version nobody needs any more).
 
-        Requests for it in flight are forgotten; pieces of it queued for upload are not
-        sent; later messages about it are treated like those about any unknown object.
+        Requests for it in flight are forgotten; requests of it queued for upload are
+        refused (``Reject``); later messages about it are treated like those about any
+        unknown object.
         """
         if self._objects.pop(obj, None) is None:
             return
@@ -353,6 +354,10 @@ class Exchange(DownloadSide, UploadSide):
             for key in [k for k in p.out if k[0] == obj]:
                 del p.out[key]
             if any(o == obj for o, _ in p.queue):
+                # refused, not left to time out: the asker turns to another holder
+                for o, idx in p.queue:
+                    if o == obj:
+                        self._out.append((p.peer, Reject(obj, idx)))
                 p.queue = deque(item for item in p.queue if item[0] != obj)
         self._avg = max((x.avg_size for x in self._objects.values()), default=1)
 
@@ -559,18 +564,3 @@ class Exchange(DownloadSide, UploadSide):
             o.first_seen.setdefault(idx, now)
             o.last_progress = now
 
-    def _drop_holder(self, o: ObjectState, idx: int, p: PeerState) -> None:
-        """``p`` refused a chunk it announced (it dropped the object, say: a peer stops
-        serving a keyframe of its state before patching it): ask others, or the trainer,
-        until ``p`` announces the chunk again. Without this a peer kept asking a neighbour
-        that refuses, and never the trainer, while that neighbour counted as a holder."""
-        if p.peer not in o.holders[idx]:
-            return
-        o.holders[idx].discard(p.peer)
-        o.availability[idx] -= 1
-        if self._is_local(p):
-            o.local[idx] -= 1
-        theirs = p.haves.get(o.spec.obj)
-        if theirs is not None:
-            theirs.discard(idx)
-        o.ranks.pop(idx, None)

@@ -15,9 +15,6 @@ from swarm.protocol import picker
 from swarm.protocol.exchange_msgs import Cancel, Request
 from swarm.protocol.exchange_state import ExchangeState, ObjectState, PeerState
 
-_SNUBBED = 1e9
-"""Seconds added to a snubbed neighbour's estimated delivery time."""
-
 
 class DownloadSide(ExchangeState):
     """Picking, requests and their time-outs (a part of
@@ -162,6 +159,23 @@ class DownloadSide(ExchangeState):
 
     def _choose_source(self, o: ObjectState, idx: int, local_peers: list[str], now: float,
                        exclude: tuple[str, ...]) -> str | None:
+        """The source to ask for ``idx`` now (see :meth:`_usual_source`). A neighbour that
+        let requests time out is left out of that choice (it may have dropped the object,
+        or lie): it is no reason to wait rather than ask others or the trainer. While the
+        chunk waits anyway, it gets one probe at a time: it delivers (and is trusted
+        again) or strikes out and is dropped."""
+        src = self._usual_source(o, idx, local_peers, now, exclude)
+        if src is not None:
+            return src
+        for h in sorted(o.holders[idx]):
+            p = self._peers[h]
+            if p.strikes and not p.trainer and not p.out and not p.choked_us \
+                    and h not in exclude:
+                return h
+        return None
+
+    def _usual_source(self, o: ObjectState, idx: int, local_peers: list[str], now: float,
+                      exclude: tuple[str, ...]) -> str | None:
         """The best free holder of ``idx``: a same-region peer by estimated delivery time;
         else, when my import rank's turn has come, a peer in another region; the trainer
         only for chunks it suggested to me, or when the swarm has stalled without them."""
@@ -183,6 +197,8 @@ class DownloadSide(ExchangeState):
                         return h
                     trainer = p
                 continue
+            if p.strikes:
+                continue  # snubbed: see _choose_source
             any_other = True
             is_local = p.region == region
             if not usable:
@@ -192,10 +208,8 @@ class DownloadSide(ExchangeState):
                 any_local = True
             elif best_local is not None:
                 continue  # a local source wins over any remote one
-            # ties (equal estimates) go by a per-node hash: deterministic, and spread; a
-            # snubbed neighbour only when no other holder is free
-            key = (p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0)
-                   + (_SNUBBED if p.strikes else 0.0), p.tie, h)
+            # ties (equal estimates) go by a per-node hash: deterministic, and spread
+            key = (p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0), p.tie, h)
             if is_local:
                 if key < local_key:
                     best_local, local_key = p, key

@@ -114,6 +114,23 @@ class ExchangeState:
     def _is_local(self, p: PeerState) -> bool:
         return p.region == self.region and not p.trainer
 
+    def _drop_holder(self, o: ObjectState, idx: int, p: PeerState) -> None:
+        """``p`` refused, or did not serve in time, a chunk it announced (it dropped the
+        object, say: a peer stops serving old versions as it moves on): ask others, or the
+        trainer, until ``p`` announces the chunk again. Without this a peer kept asking a
+        neighbour that refuses, and never the trainer, while that neighbour counted as a
+        holder."""
+        if p.peer not in o.holders[idx]:
+            return
+        o.holders[idx].discard(p.peer)
+        o.availability[idx] -= 1
+        if self._is_local(p):
+            o.local[idx] -= 1
+        theirs = p.haves.get(o.spec.obj)
+        if theirs is not None:
+            theirs.discard(idx)
+        o.ranks.pop(idx, None)
+
     def _drop_inflight(self, o: ObjectState, idx: int, peer: str) -> None:
         srcs = o.inflight.get(idx)
         if srcs is not None:
