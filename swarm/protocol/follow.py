@@ -56,11 +56,18 @@ class FollowConfig:
 # ------------------------------------------------------------------------------ actions
 
 
+def _named(sm: SignedManifest) -> str:
+    return f"{sm.manifest.kind} {sm.manifest.step}"
+
+
 @dataclass(frozen=True, slots=True)
 class Fetch:
     """Start fetching the chunks of ``manifest``."""
 
     manifest: SignedManifest
+
+    def __str__(self) -> str:
+        return f"fetch {_named(self.manifest)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,9 @@ class Drop:
     """Stop fetching ``manifest`` and free what was received of it."""
 
     manifest: SignedManifest
+
+    def __str__(self) -> str:
+        return f"drop {_named(self.manifest)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +93,9 @@ class Install:
     with :meth:`Follower.installed` or :meth:`Follower.install_failed`."""
 
     manifest: SignedManifest
+
+    def __str__(self) -> str:
+        return f"install {_named(self.manifest)}"
 
 
 @dataclass(frozen=True, slots=True)

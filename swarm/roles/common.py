@@ -97,6 +97,8 @@ class NodeBase:
     async def _peer_events(self) -> None:
         while True:
             ev: PeerEvent = await self.net.next_event()
+            log.debug("%s: %s %s (%s)", self.tasks.name, ev.peer_id,
+                      "connected" if ev.connected else "gone", ev.reason or ev.path)
             self.on_peer(ev.peer_id, ev.connected)
 
     def region_of(self, peer: str) -> str:

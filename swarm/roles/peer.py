@@ -376,6 +376,7 @@ class RolloutPeer(NodeBase):
                     timer.cancel()
 
     async def _act(self, action: Action) -> None:
+        log.debug("follow: %s", action)
         if isinstance(action, Fetch):
             await self._fetch(action.manifest)
         elif isinstance(action, Drop):

@@ -353,6 +353,8 @@ class TrainerNode(NodeBase):
                 self.net.penalize(msg.peer_id, "sync: a trainer takes requests only")
                 continue
             chain = await self._chain_after(req.after_step)
+            log.debug("sync from %s after step %d: %s", msg.peer_id, req.after_step,
+                      [(m.manifest.kind, m.manifest.step) for m in chain])
             try:
                 await self.mux.send(Channel.SYNC, msg.peer_id,
                                     sync.encode(sync.SyncReply(tuple(m.encode() for m in chain))))
