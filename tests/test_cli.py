@@ -64,3 +64,19 @@ def test_inspect_garbage_is_a_clean_error(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     assert out.returncode == 2 and "swarm: error:" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_node_that_hangs_while_closing_still_exits_after_the_grace() -> None:
+    """After Ctrl-C or SIGTERM a node has SHUTDOWN_GRACE seconds to close; a close that
+    hangs (a connection that never finishes) ends the process with status 130 anyway."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time\nfrom swarm.cli._node import _exit_after\n"
+            "_exit_after(0.5)\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 130 and time.monotonic() - t0 < 20
+    assert "swarm: warning: still closing after 0.5 s; exiting now" in out.stderr

@@ -174,17 +174,50 @@ def run_node(main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
         raise UsageError(f"{exc.strerror or exc} ({exc.__class__.__name__})") from None
 
 
+#: Seconds a node may take to close after Ctrl-C or SIGTERM before the process exits
+#: anyway (what it keeps on disk is written atomically, so nothing is half-written).
+SHUTDOWN_GRACE = 10.0
+
+
+def _exit_after(grace: float) -> None:
+    """Exit with status 130 in ``grace`` seconds unless the process has ended by then: a
+    stop must not hang on a connection that does not close."""
+    import faulthandler
+    import os
+    import threading
+
+    def force() -> None:
+        print(f"swarm: warning: still closing after {grace:g} s; exiting now",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr)  # where it was stuck, for a report
+        os._exit(130)
+
+    timer = threading.Timer(grace, force)
+    timer.daemon = True
+    timer.start()
+
+
 @contextlib.asynccontextmanager
-async def stop_on_signals() -> AsyncIterator[None]:
-    """SIGTERM ends the node like Ctrl-C does (the context managers close cleanly)."""
+async def stop_on_signals(grace: float = SHUTDOWN_GRACE) -> AsyncIterator[None]:
+    """Ctrl-C (SIGINT) and SIGTERM end the node: the context managers close cleanly, and
+    the process exits with status 130 at most ``grace`` seconds after the signal."""
     import asyncio
 
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+    signals = (signal.SIGINT, signal.SIGTERM)
+
+    def stop() -> None:
+        _exit_after(grace)
+        if task is not None:
+            task.cancel()
+
     if task is not None and sys.platform != "win32":
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        for sig in signals:
+            loop.add_signal_handler(sig, stop)
     try:
         yield
     finally:
         if sys.platform != "win32":
-            loop.remove_signal_handler(signal.SIGTERM)
+            for sig in signals:
+                loop.remove_signal_handler(sig)
