@@ -174,7 +174,7 @@ class VLLMEngine:
                 max_tokens=sampling.max_tokens,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
-                top_k=sampling.top_k or -1,  # -1 disables it in every vLLM; 0 only in some
+                top_k=sampling.top_k,
                 seed=request_seed(sampling, i),
                 stop_token_ids=list(sampling.stop_token_ids),
                 ignore_eos=True,
