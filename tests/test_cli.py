@@ -80,3 +80,15 @@ def test_a_node_that_hangs_while_closing_still_exits_after_the_grace() -> None:
                          timeout=30)
     assert out.returncode == 130 and time.monotonic() - t0 < 20
     assert "swarm: warning: still closing after 0.5 s; exiting now" in out.stderr
+
+
+def test_the_memory_budget_flag_reaches_the_data_plane(tmp_path: Path) -> None:
+    import argparse
+
+    from swarm.cli._node import add_node_arguments, node_config
+
+    p = argparse.ArgumentParser()
+    add_node_arguments(p)
+    args = p.parse_args(["--buffer-budget-mib", "64", "--data-dir", str(tmp_path)])
+    cfg = node_config(args)
+    assert cfg.data_plane is not None and cfg.data_plane.buffer_budget == 64 << 20

@@ -32,6 +32,9 @@ def add_node_arguments(p: argparse.ArgumentParser, *, default_port: int = 0) -> 
                    help="print status events as JSON lines on stdout (and nothing else)")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines on stdout (warnings and errors still go to stderr)")
+    p.add_argument("--buffer-budget-mib", type=int, default=256, metavar="MIB",
+                   help="memory for frames being received from all peers together "
+                        "(default 256; at least 17: one largest frame)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--uplink-mbps", type=float, default=0.0,
@@ -125,6 +128,10 @@ def check_node_args(args: argparse.Namespace) -> None:
     if getattr(args, "trainer", None) is not None:
         check_peer_id("--trainer", str(args.trainer))
     check_data_dir(args.data_dir)
+    budget = getattr(args, "buffer_budget_mib", 256)
+    if not 17 <= budget <= 1 << 20:
+        raise UsageError(f"--buffer-budget-mib {budget}: must be 17 to 1048576 (it holds at "
+                         "least one largest frame, 16 MiB)")
     if args.key is not None and args.key.exists() and not args.key.is_file():
         raise UsageError(f"--key {args.key} is not a file")
 
@@ -147,7 +154,8 @@ def node_config(args: argparse.Namespace, **extra: Any) -> NodeConfig:
 
     parts = str(args.listen).split("/")
     host = parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else "127.0.0.1"
-    extra.setdefault("data_plane", DataPlaneConfig(host=host))
+    extra.setdefault("data_plane", DataPlaneConfig(
+        host=host, buffer_budget=getattr(args, "buffer_budget_mib", 256) << 20))
     return NodeConfig(listen=args.listen, run=args.run, region=args.region, **extra)
 
 
