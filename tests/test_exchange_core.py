@@ -482,6 +482,21 @@ def test_a_neighbour_cannot_make_us_track_unbounded_unknown_objects() -> None:
     assert 1 in core._peers["them"].haves[spec.obj]
 
 
+def _run_until_complete(net: Net, me: Exchange, obj: bytes, rounds: int) -> float:
+    """Deliver messages and fire ``me``'s timers until it holds ``obj`` (or ``rounds``
+    timers passed); returns the virtual time reached."""
+    now = 0.0
+    for _ in range(rounds):
+        net.run(now)
+        if me.is_complete(obj):
+            break
+        t = me.next_timer()
+        assert t is not None
+        now = max(t, now + 0.01)
+        me.handle_timer(now)
+    return now
+
+
 def test_a_neighbour_that_refuses_an_announced_chunk_is_not_asked_again() -> None:
     """A peer that withdrew an object (it patched the state its keyframe views) rejects
     requests for chunks it announced; the leech then takes them from the trainer instead
@@ -497,15 +512,7 @@ def test_a_neighbour_that_refuses_an_announced_chunk_is_not_asked_again() -> Non
     net.link("me", "trainer", 0.0, trainer_b=True)
     net.link("me", "other", 0.0)
     other.remove_object(spec.obj)  # after it announced every chunk to me
-    now = 0.0
-    for _ in range(50):
-        net.run(now)
-        if me.is_complete(spec.obj):
-            break
-        t = me.next_timer()
-        assert t is not None
-        now = max(t, now + 0.01)
-        me.handle_timer(now)
+    now = _run_until_complete(net, me, spec.obj, rounds=50)
     assert me.is_complete(spec.obj) and now < 5.0
     assert [me.chunk(spec.obj, i) for i in range(4)] == chunks
     asked_other = [m for s, d, m in net.sent if s == "me" and d == "other"
@@ -544,15 +551,7 @@ def test_a_neighbour_whose_request_timed_out_does_not_hold_back_the_trainer() ->
     me.receive("ghost", Bitfield(spec.obj, 4, b"\x0f"), 0.0)
     me.receive("ghost", Unchoke(), 0.0)
     net.link("me", "trainer", 0.0, trainer_b=True)
-    now = 0.0
-    for _ in range(100):
-        net.run(now)
-        if me.is_complete(spec.obj):
-            break
-        t = me.next_timer()
-        assert t is not None
-        now = max(t, now + 0.01)
-        me.handle_timer(now)
+    now = _run_until_complete(net, me, spec.obj, rounds=100)
     assert me.is_complete(spec.obj)
     assert now < 2.5  # one 1 s time-out, then the trainer (3 strikes would be > 3 s)
     stored = [e for e in net.events["me"] if isinstance(e, ChunkStored)]
