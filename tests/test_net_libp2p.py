@@ -213,3 +213,22 @@ async def test_closing_a_node_wakes_its_waiting_consumers() -> None:
         await asyncio.wait_for(events, 5)
     with pytest.raises(TransportClosed):
         await node.send(ident(2).peer_id, b"late")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_a_connect_event_is_queued_before_the_connections_first_message(
+        direct: bool) -> None:
+    """What a node's mux relies on to never drop a newcomer's first message (its bitfield,
+    its interest) as coming from a stranger: by the time the message can be received,
+    the event announcing its sender is already queued (``poll_event``)."""
+    cfg = NodeConfig() if direct else NodeConfig(data_plane=None)
+    async with Libp2pNode(ident(1), cfg) as a:
+        assert a.poll_event() is None
+        async with Libp2pNode(ident(2), NodeConfig(bootstrap=())) as b:
+            await b.connect(a.listen_addresses[0])
+            await b.send(a.peer_id, b"first")
+            msg = await asyncio.wait_for(a.recv(), 10)
+            assert (msg.peer_id, msg.payload) == (b.peer_id, b"first")
+            ev = a.poll_event()
+            assert ev is not None and (ev.peer_id, ev.connected) == (b.peer_id, True)
+            assert ev.path is (Path.DIRECT if direct else Path.LIBP2P)

@@ -421,6 +421,9 @@ class Libp2pNode:
     async def next_event(self) -> PeerEvent:
         return await self._events.get()
 
+    def poll_event(self) -> PeerEvent | None:
+        return self._events.get_nowait()
+
     def connected_peers(self) -> frozenset[str]:
         return frozenset(self._paths)
 

@@ -153,6 +153,10 @@ class EventQueue(_Bounded[PeerEvent]):
         """The oldest event; :raises TransportClosed: closed and empty."""
         return await self._pop()
 
+    def get_nowait(self) -> PeerEvent | None:
+        """The oldest event if one is queued (``None``: none is)."""
+        return self._items.popleft() if self._items else None
+
 
 class ByteBudget:
     """Bytes shared by every connection's frame buffers, granted fairly to waiters.

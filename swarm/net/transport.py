@@ -152,6 +152,15 @@ class Transport(Protocol):
         """
         ...
 
+    def poll_event(self) -> PeerEvent | None:
+        """The next connect/disconnect event if one is already queued (never waits).
+
+        Events are queued before any message of the connection they announce, so a
+        consumer that takes every queued event before handling a message sees that
+        message's peer as connected.
+        """
+        ...
+
     def connected_peers(self) -> frozenset[str]:
         """Peer ids with a live connection right now."""
         ...

@@ -56,7 +56,7 @@ class NodeBase:
         self.net = net
         self.region = region
         self.clock = clock or Clock()
-        self.mux = Mux(net)
+        self.mux = Mux(net, before_deliver=self._take_queued_events)
         self._exchange_config = exchange_config
         self._seed = seed
         self.tasks = TaskGroup(name)
@@ -96,10 +96,19 @@ class NodeBase:
 
     async def _peer_events(self) -> None:
         while True:
-            ev: PeerEvent = await self.net.next_event()
-            log.debug("%s: %s %s (%s)", self.tasks.name, ev.peer_id,
-                      "connected" if ev.connected else "gone", ev.reason or ev.path)
-            self.on_peer(ev.peer_id, ev.connected)
+            self._peer_event(await self.net.next_event())
+
+    def _take_queued_events(self) -> None:
+        """Handle the peer events already queued (the mux calls this before it passes on
+        a message: events and messages come through separate queues, and a message from a
+        peer whose connect event is still queued would be dropped as from a stranger)."""
+        while (ev := self.net.poll_event()) is not None:
+            self._peer_event(ev)
+
+    def _peer_event(self, ev: PeerEvent) -> None:
+        log.debug("%s: %s %s (%s)", self.tasks.name, ev.peer_id,
+                  "connected" if ev.connected else "gone", ev.reason or ev.path)
+        self.on_peer(ev.peer_id, ev.connected)
 
     def region_of(self, peer: str) -> str:
         meta = self.net.directory().get(peer)

@@ -163,6 +163,7 @@ class ExchangeDriver:
         while True:
             msg: Message = await self.mux.recv(Channel.EXCHANGE)
             if msg.peer_id not in self._links:
+                log.debug("dropped an exchange message from %s: not connected", msg.peer_id)
                 continue
             self.exchange.receive_bytes(msg.peer_id, msg.payload, self.now())
             self._pump()

@@ -1,7 +1,9 @@
 """One transport, several protocols: a one-byte channel tag in front of every message.
 
 Inbound messages are routed by tag to a bounded queue per channel; an unknown tag or an
-empty message is a protocol violation and scores the sender down.
+empty message is a protocol violation and scores the sender down. Before a message is
+queued, ``before_deliver`` runs: the node takes the peer events queued ahead of it, so a
+protocol never sees a message from a peer it has not been told is connected.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 
 from swarm.net.transport import Message, TransportClosed
 from swarm.net.transport import Transport as _Transport
@@ -27,8 +30,10 @@ class Channel(enum.IntEnum):
 class Mux:
     """Routes a transport's inbound messages to per-channel queues."""
 
-    def __init__(self, transport: _Transport, depth: int = 1024) -> None:
+    def __init__(self, transport: _Transport, depth: int = 1024,
+                 before_deliver: Callable[[], None] | None = None) -> None:
         self.transport = transport
+        self.before_deliver = before_deliver
         # Bounded: when a consumer falls behind, the router waits, and so do senders.
         self.queues: dict[Channel, asyncio.Queue[Message]] = {
             c: asyncio.Queue(depth) for c in Channel
@@ -54,4 +59,6 @@ class Mux:
                 log.warning("peer %s sent a message on unknown channel %d", msg.peer_id, tag)
                 self.transport.penalize(msg.peer_id, f"unknown channel {tag}")
                 continue
+            if self.before_deliver is not None:
+                self.before_deliver()
             await self.queues[channel].put(Message(msg.peer_id, msg.payload[1:]))

@@ -138,6 +138,9 @@ class ShapedNetwork:
     async def next_event(self) -> PeerEvent:
         return await self.inner.next_event()
 
+    def poll_event(self) -> PeerEvent | None:
+        return self.inner.poll_event()
+
     def connected_peers(self) -> frozenset[str]:
         return self.inner.connected_peers()
 
