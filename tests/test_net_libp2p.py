@@ -232,3 +232,16 @@ async def test_a_connect_event_is_queued_before_the_connections_first_message(
             ev = a.poll_event()
             assert ev is not None and (ev.peer_id, ev.connected) == (b.peer_id, True)
             assert ev.path is (Path.DIRECT if direct else Path.LIBP2P)
+
+
+async def test_a_card_is_served_on_request_and_bounded_by_the_reader() -> None:
+    from swarm.errors import DecodeError
+
+    async with Libp2pNode(ident(1)) as a, \
+            Libp2pNode(ident(2), NodeConfig(bootstrap=a.listen_addresses)) as b:
+        assert await b.fetch_card(a.peer_id, 1 << 20) == b""  # holds none yet
+        card = random.Random(1).randbytes(300_000)
+        a.serve_card(card)
+        assert await b.fetch_card(a.peer_id, 1 << 20) == card
+        with pytest.raises(DecodeError, match="bound is 1000"):
+            await b.fetch_card(a.peer_id, 1000)

@@ -1,6 +1,6 @@
 """``swarm inspect PATH``: pretty-print what the nodes write.
 
-- a signed manifest (``*.manifest``) or an identity key (PEM);
+- a signed manifest (``*.manifest``), a run card (``run.card``) or an identity key (PEM);
 - a saved state (``published.state`` of a trainer, ``peer.state`` of a peer; the format
   of :mod:`swarm.roles.persist`): its versions, signer, layout and size, checked against
   the signer named in the file (or ``--trainer``);
@@ -61,6 +61,43 @@ def describe_manifest(sm: SignedManifest, trainer: str | None = None) -> list[st
         ok = public_key_from_peer_id(trainer) == m.signer
         lines.append(f"trainer       {'matches' if ok else 'DOES NOT MATCH'} {trainer}")
     return lines
+
+
+def describe_card(data: bytes, trainer: str | None = None) -> tuple[list[str], bool]:
+    """Lines about a signed run card, and whether its signature checks out (against
+    ``trainer`` when given)."""
+    from swarm.content.card import SignedCard
+
+    signer = public_key_from_peer_id(trainer) if trainer else None
+    try:
+        sc = SignedCard.decode(data, trusted_signer=signer)
+        valid = True
+    except SignatureError:
+        valid = False
+        sc = None
+    if sc is None:
+        return ["run card      signature INVALID"
+                + (f" (against --trainer {trainer})" if trainer else "")], False
+    c = sc.card
+    cfg = c.model_config
+    shape = ", ".join(f"{k} {cfg[k]}" for k in ("vocab_size", "hidden_size",
+                                                  "num_hidden_layers", "num_attention_heads",
+                                                  "num_key_value_heads") if k in cfg)
+    files = ", ".join(f"{n} ({_human(len(d))})" for n, d in c.files) or "-"
+    return [
+        f"run card      {hex_id(sc.id)}",
+        f"run           {c.run}",
+        f"model         {c.model_type} {', '.join(c.architectures) or ''}".rstrip(),
+        f"shape         {shape or '-'}",
+        f"dtype         {c.dtype}",
+        f"codec         {c.codec}",
+        f"layout        {hex_id(c.layout_digest)}",
+        f"version 0     root {hex_id(c.root)} (pieces of {_human(c.piece_size)})",
+        f"stop ids      {', '.join(map(str, c.stop_token_ids)) or '-'}",
+        f"files         {files}",
+        f"signer        {c.signer_peer_id}",
+        "signature     valid" + (f" (against --trainer {trainer})" if trainer else ""),
+    ], valid
 
 
 def describe_state(path: Path, trainer: str | None = None) -> tuple[list[str], bool]:
@@ -131,6 +168,13 @@ def describe_data_dir(path: Path, trainer: str | None = None) -> list[str]:
                 lines.append(f"{name:<14}unreadable: {exc}")
         if (path / f"{name}.bad").exists():
             lines.append(f"{name + '.bad':<14}a refused state moved aside")
+    card = path / "run.card"
+    if card.is_file():
+        try:
+            found, _ = describe_card(card.read_bytes(), trainer)
+            lines += [f"  {line}" for line in found]
+        except Exception as exc:
+            lines.append(f"run.card      unreadable: {exc}")
     versions = sorted((path / "chunks" / "versions").glob("*.log"))
     if versions:
         steps = [int(v.stem) for v in versions if v.stem.isdigit()]
@@ -188,6 +232,14 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(lines))
         if not ok:
             raise SignatureError("saved state check failed (signatures or size)")
+        return 0
+    from swarm.content.card import MAX_CARD_BYTES
+
+    if path.name.endswith(".card") and path.stat().st_size <= MAX_CARD_BYTES:
+        lines, ok = describe_card(path.read_bytes(), args.trainer)
+        print("\n".join(lines))
+        if not ok:
+            raise SignatureError("run card signature check failed")
         return 0
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise DecodeError(f"{path} is larger than any manifest ({MAX_MANIFEST_BYTES} bytes)")

@@ -1,8 +1,11 @@
-"""``swarm peer``: join a swarm as a rollout peer (the built-in demo task's policy).
+"""``swarm peer``: join a swarm as a rollout peer, for whatever model the run names.
 
-Joins through a bootstrap multiaddr, follows the trainer's versions (fetching chunks
-from the trainer and from other peers), verifies every version against the trainer's
-signed manifest, and does leased rollout work with a torch engine.
+Joins through a bootstrap multiaddr and gets the run's card (signed by the trainer) from
+the trainer or a neighbour; says why before fetching any weights if it cannot run it;
+builds the card's model offline (transformers ``from_config``; ``--engine vllm`` writes a
+model dir for vLLM). Then it follows the trainer's versions (fetching chunks from the
+trainer and from other peers), verifies every version against the trainer's signed
+manifest, and does leased rollout work.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import asyncio
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from swarm.cli._node import (
@@ -27,6 +31,10 @@ from swarm.errors import SwarmError
 from swarm.protocol.exchange import ExchangeConfig
 
 if TYPE_CHECKING:
+    import torch
+
+    from swarm.content.card import RunCard
+    from swarm.engines import RolloutEngine
     from swarm.roles.common import Network
     from swarm.roles.peer import RolloutPeer
     from swarm.roles.status import Reporter
@@ -52,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="exit (status 2) once the trainer was unreachable this long "
                         "(0: keep trying forever)")
+    p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                   help="what generates rollouts: transformers on torch, or vLLM (needs "
+                        "the vllm extra)")
+    p.add_argument("--base-weights", type=Path, default=None, metavar="DIR",
+                   help="an HF safetensors checkpoint you already have: if it is the run's "
+                        "version 0, only deltas are fetched")
+    p.add_argument("--card-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="give up (status 2) when no run card came within this long")
     p.add_argument("--corrupt", action="store_true",
                    help="chaos: serve corrupted chunks (other peers must ban this one)")
 
@@ -71,22 +87,18 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     import torch
 
-    from swarm.demo.grpo import DemoConfig
-    from swarm.demo.model import build_model, inference_state
-    from swarm.engines.torch_engine import TorchEngine
+    from swarm.cli._card import obtain_card
+    from swarm.engines.hf_model import card_summary, check_card
     from swarm.net.node import Libp2pNode
     from swarm.roles.peer import PeerConfig, RolloutPeer
 
     torch.set_num_threads(1)
-    cfg = DemoConfig()
     identity = load_identity(args)
     if identity.peer_id == args.trainer:
         raise UsageError("--trainer is this peer's own id (its key is the trainer's?)")
+    if args.base_weights is not None and not args.base_weights.is_dir():
+        raise UsageError(f"--base-weights {args.base_weights}: not a directory")
     report = reporter(args.name, args)
-    # The local checkpoint: the config's seeded initial weights, verified against the
-    # trainer's signed keyframe before use (a mismatch fetches the pieces instead).
-    state = inference_state(build_model(cfg.model), cfg.inference_dtype)
-    engine = TorchEngine(cast(Any, build_model(cfg.model, dtype=torch.bfloat16)))
     net_cfg = node_config(args, bootstrap=tuple(args.bootstrap))
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
             shaped(raw, args) as net:
@@ -94,6 +106,21 @@ async def _main(args: argparse.Namespace) -> int:
                     region=args.region)
         report.say(f"peer {identity.peer_id} listening on {raw.listen_addresses[0]}; "
                    f"following trainer {args.trainer}")
+        signed = await obtain_card(raw, trainer_id=args.trainer, run=args.run,
+                                   data_dir=args.data_dir, timeout=args.card_timeout,
+                                   say=report.say)
+        card = signed.card
+        # Before any weights: an architecture this engine lacks, a missing extra, or too
+        # little memory is said here, as one error line.
+        nbytes = await asyncio.to_thread(check_card, card, args.engine)
+        raw.serve_card(signed.encode())  # neighbours may take it from here
+        report.emit("card", id=signed.id.hex(), engine=args.engine, bytes=nbytes,
+                    **card_summary(card))
+        report.say(f"run card {signed.id.hex()[:12]}: {card.model_type}, "
+                   f"{nbytes / 1e6:.1f} MB of {card.dtype} weights; engine {args.engine}")
+        state, engine, start = await asyncio.to_thread(_build, card, args)
+        if start is not None:
+            report.say("the local weights are the run's version 0: only deltas travel")
         # DATA_DIR keeps the last verified version and received chunks: a restarted peer
         # resumes there; the bootstrap addresses are redialled if the trainer goes away.
         peer = RolloutPeer(identity, net, PeerConfig(run=args.run, trainer=args.trainer,
@@ -102,7 +129,7 @@ async def _main(args: argparse.Namespace) -> int:
                                                      data_dir=args.data_dir,
                                                      bootstrap=tuple(args.bootstrap),
                                                      exchange=exchange_config(args)),
-                           state, engine, status=report)
+                           state, engine, status=report, start=start)
         async with peer:
             if args.corrupt:
                 peer.driver.corrupt_uploads = True
@@ -118,6 +145,56 @@ async def _main(args: argparse.Namespace) -> int:
             if peer.failure is not None:
                 raise peer.failure  # printed as one "swarm: error: ..." line
     return 1
+
+
+def _build(card: RunCard, args: argparse.Namespace
+           ) -> tuple[dict[str, torch.Tensor], RolloutEngine, tuple[int, bytes] | None]:
+    """The canonical state (the card's seeded initial weights, or ``--base-weights``),
+    the engine, and (0, root) when the state is the run's version 0."""
+
+    from swarm.delta.state import state_root_of
+    from swarm.demo.model import inference_state
+    from swarm.engines.hf_model import (
+        build_model,
+        check_layout,
+        load_base_weights,
+        torch_dtype,
+    )
+
+    model = build_model(card)
+    state = inference_state(model, card.dtype)
+    if args.base_weights is not None:
+        load_base_weights(args.base_weights, state)
+    check_layout(card, state)
+    start = None
+    if state_root_of(state, card.piece_size) == card.root:
+        start = (0, card.root)
+    engine: RolloutEngine
+    if args.engine == "vllm":
+        engine = _vllm_engine(card, state, args)
+        del model
+    else:
+        from swarm.engines.torch_engine import TorchEngine
+
+        engine = TorchEngine(cast(Any, model).to(torch_dtype(card)))
+    return state, engine, start
+
+
+def _vllm_engine(card: RunCard, state: dict[str, torch.Tensor], args: argparse.Namespace
+                 ) -> RolloutEngine:
+    """vLLM over a model dir written from the card and the state (in DATA_DIR, else a
+    temporary dir)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from swarm.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    root = args.data_dir / "model" if args.data_dir is not None else \
+        Path(tempfile.mkdtemp(prefix="swarm-model-"))
+    card.write_model_dir(root)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(root / "model.safetensors"))
+    return VLLMEngine(VLLMEngineConfig(model_dir=str(root), dtype=card.dtype))
 
 
 def _warn(report: Reporter, event: str, line: str, **fields: object) -> None:

@@ -36,7 +36,9 @@ from swarm.cli._node import (
 )
 
 if TYPE_CHECKING:
+    from swarm.content.card import SignedCard
     from swarm.content.manifest import SignedManifest
+    from swarm.identity import Identity
     from swarm.roles.common import Network
     from swarm.roles.trainer import TrainerNode
 
@@ -123,6 +125,10 @@ async def _main(args: argparse.Namespace) -> int:
             pub = await node.publish(inference_state(master, cfg.inference_dtype))
             report.emit("published", step=0, kind="keyframe", bytes=pub.payload_bytes,
                         dense=pub.dense_bytes, ratio=round(pub.ratio, 2))
+        card = _run_card(args, identity, node, master, cfg.inference_dtype)
+        raw.serve_card(card.encode())
+        report.emit("card", id=card.id.hex(), model_type=card.card.model_type,
+                    bytes=len(card.encode()))
         first = node.step + 1
         if first <= cfg.steps and len(_rollout_peers(net, args)) < args.min_peers:
             report.say(f"waiting for {args.min_peers} peer(s) (at most {args.step_timeout:g} s)")
@@ -182,6 +188,25 @@ async def _main(args: argparse.Namespace) -> int:
                    f"peer(s){short} ({took:.1f} s); seeding until --linger ends")
         await asyncio.sleep(max(0.0, args.linger - took))
     return 0
+
+
+def _run_card(args: argparse.Namespace, identity: Identity, node: TrainerNode, model: Any,
+              dtype: str) -> SignedCard:
+    """The run's card: the one kept in DATA_DIR, else made from version 0 and kept."""
+    from swarm.cli._card import keep_card, load_card
+    from swarm.content.card import card_for, model_config_json
+
+    kept = load_card(args.data_dir, trainer=identity.public_key, run=args.run)
+    if kept is not None:
+        return kept
+    v0 = node.manifests[0].manifest
+    if v0.step != 0:
+        log.warning("no run card in %s and version 0 is no longer kept: the card names "
+                    "version %d as the first", args.data_dir, v0.step)
+    card = card_for(args.run, config=model_config_json(model), files=(), dtype=dtype,
+                    version0=v0).sign(identity)
+    keep_card(args.data_dir, card)
+    return card
 
 
 def _rollout_peers(net: Network, args: argparse.Namespace) -> set[str]:

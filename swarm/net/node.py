@@ -40,6 +40,7 @@ from swarm.identity import Identity
 from swarm.net import libp2p_compat as compat
 from swarm.net import topics
 from swarm.net.addresses import parse_tcp_multiaddr
+from swarm.net.blobs import CARD_PROTOCOL, BlobServer, read_blob
 from swarm.net.bridge import BridgeClosed, TrioGuest, trio_guest
 from swarm.net.dataplane import DataPlane, DataPlaneConfig
 from swarm.net.directory import META_PROTOCOL, PeerDirectory, read_metadata
@@ -155,6 +156,7 @@ class Libp2pNode:
         self._sockets = compat.SocketTracker()
         self._gossip = Libp2pGossip(self.config.gossip, self._peer_id, self._check_open,
                                     on_invalid=self._gossip_violation)
+        self._card = BlobServer()
         self._directory = PeerDirectory(
             identity, region=self.config.region, advertise=self.config.data_plane_advertise,
             addresses=lambda: self.listen_addresses, data_address=lambda: self.data_address)
@@ -229,6 +231,7 @@ class Libp2pNode:
             async with host.run([Multiaddr(self.config.listen)]), self._gossip.running(host):
                 host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
                 host.set_stream_handler(TProtocol(META_PROTOCOL), self._directory.serve)
+                host.set_stream_handler(TProtocol(CARD_PROTOCOL), self._card.serve)
                 host.get_network().register_notifee(cast("INotifee", _Notifee(self)))
                 self._host = host
                 try:
@@ -616,6 +619,29 @@ class Libp2pNode:
     async def _fetch_meta(self, peer: str, timeout: float) -> topics.PeerMetadata:
         stream = await self._trio_new_stream(peer, META_PROTOCOL, timeout)
         return await read_metadata(stream, peer, timeout)
+
+    def serve_card(self, data: bytes) -> None:
+        """Serve ``data`` (a signed run card) to peers that ask for it."""
+        self._card.data = data
+
+    async def fetch_card(self, peer: str, max_bytes: int, timeout: float = 30.0) -> bytes:
+        """The run card ``peer`` serves (``b""``: it holds none); unchecked.
+
+        :raises PeerUnreachable: no stream opened, or it did not answer in time.
+        :raises DecodeError: over ``max_bytes`` or cut short.
+        """
+        guest = self._check_open()
+
+        async def fetch() -> bytes:
+            stream = await self._trio_new_stream(peer, CARD_PROTOCOL, timeout)
+            return await read_blob(stream, max_bytes, timeout)
+
+        try:
+            return await guest.run(fetch)
+        except (BridgeClosed, TransportClosed, DecodeError):
+            raise
+        except Exception as exc:
+            raise PeerUnreachable(f"no card from {peer}: {exc!r}") from exc
 
     def directory(self) -> dict[str, topics.PeerMetadata]:
         """Peers learned from the run's peers topic (latest metadata of each)."""

@@ -122,9 +122,13 @@ class RolloutPeer(NodeBase):
     def __init__(self, identity: Identity, net: Network, config: PeerConfig,
                  state: dict[str, torch.Tensor], engine: RolloutEngine,
                  status: StatusFn | None = None, seed: int = 0,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, start: tuple[int, bytes] | None = None) -> None:
+        """``start``: (version, root) that ``state`` already holds, verified by the caller
+        against a root the trainer signed (the run card's version 0); a saved state in
+        ``data_dir`` takes precedence."""
         super().__init__(net, region=config.region, exchange_config=config.exchange,
                          seed=seed, clock=clock, name="peer")
+        self._start = start
         self.identity = identity
         self.config = config
         self.trainer_key = public_key_from_peer_id(config.trainer)
@@ -178,6 +182,8 @@ class RolloutPeer(NodeBase):
     async def __aenter__(self) -> RolloutPeer:
         try:
             await self._resume()
+            if self.version < 0 and self._start is not None:
+                self.version, self.root = self._start
             self.follower = self._new_follower()
             await self.start(self._on_exchange_event)
             sub = await self.net.subscribe(topics.manifests(self.config.run),
