@@ -21,6 +21,7 @@ from swarm import (
     TrainerConfig,
     TrainerNode,
     inference_state,
+    run_card,
 )
 from swarm.cli.trainer import wait_delivered
 from swarm.demo.grpo import DemoConfig, Rollout, make_optimizer, rollout_prompts, train_step
@@ -40,7 +41,8 @@ async def main(steps: int = 10, listen: str = "/ip4/127.0.0.1/tcp/4002",
         print("trainer at", net.listen_addresses[0])
         print(f"peers join with: swarm peer --bootstrap {net.listen_addresses[0]} "
               f"--trainer {me.peer_id}")
-        await node.publish(inference_state(model))                        # version 0
+        v0 = await node.publish(inference_state(model))                   # version 0
+        net.serve_card(run_card(me, "demo", model, v0.manifest).encode())  # what peers run
         for step in range(1, steps + 1):
             prompts = rollout_prompts(cfg, step)
             tasks = node.add_tasks([(f"{step}-{i}", p) for i, p in enumerate(prompts)],

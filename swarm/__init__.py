@@ -26,6 +26,7 @@ from swarm.errors import (
 )
 
 if TYPE_CHECKING:
+    from swarm.content.card import run_card
     from swarm.demo.model import inference_state
     from swarm.engines import RolloutEngine
     from swarm.engines.torch_engine import TorchEngine
@@ -72,6 +73,7 @@ _LAZY: dict[str, str] = {
     "LeaseConfig": "swarm.protocol.leases",
     # the state a trainer publishes
     "inference_state": "swarm.demo.model",
+    "run_card": "swarm.content.card",
 }
 
 __all__ = [
@@ -104,6 +106,7 @@ __all__ = [
     "VLLMEngineConfig",
     "__version__",
     "inference_state",
+    "run_card",
 ]
 
 

@@ -13,7 +13,7 @@ import swarm
 LAZY = ("TrainerNode", "TrainerConfig", "Published", "RolloutPeer", "PeerConfig", "Libp2pNode",
         "NodeConfig", "DataPlaneConfig", "Identity", "RolloutEngine", "TorchEngine",
         "VLLMEngine", "VLLMEngineConfig", "Sampling", "Completion", "RolloutTask",
-        "TaskResult", "Accepted", "LeaseConfig", "inference_state")
+        "TaskResult", "Accepted", "LeaseConfig", "inference_state", "run_card")
 
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -38,8 +38,11 @@ def test_a_peer_takes_the_trainers_card_and_starts_at_version_0(tmp_path: Path) 
         for p in (p0, p1):
             p.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= 3, 30,
                        "verified 3")
-            # the seeded weights built from the card are version 0: no keyframe came
-            assert all(e["kind"] == "delta" for e in p.of("verified"))
+            # the seeded weights built from the card hash to version 0's root: no
+            # keyframe came, only deltas
+            kinds = [(e["version"], e["kind"]) for e in p.of("verified")]
+            assert kinds[0] == (0, "local")
+            assert all(k == "delta" for _, k in kinds[1:])
     shown = _inspect(tmp_path / "p1" / "run.card", "--trainer", c.trainer_id)
     assert shown.returncode == 0, shown.stderr
     assert "model         qwen3 Qwen3ForCausalLM" in shown.stdout

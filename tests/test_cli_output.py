@@ -176,12 +176,12 @@ def test_a_wrong_trainer_id_is_said_and_status_json_stays_json(tmp_path: Path) -
         addr = str(t.wait_event("ready", 90)["addr"])
         p = c.start("p", "peer", "--bootstrap", addr, "--trainer", OTHER_ID, "--data-dir", "p",
                     "--warn-after", "3")
-        ev = p.wait_event("no_manifest", 60)
+        ev = p.wait_event("no_card", 60)
         assert ev["trainer"] == OTHER_ID and ev["connected"] is False
         deadline = time.monotonic() + 5  # stderr is a file the test reads back
         while "check that --trainer" not in p.stderr and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert "no manifest from trainer" in p.stderr and "check that --trainer" in p.stderr
+        assert "no run card from trainer" in p.stderr and "check that --trainer" in p.stderr
         assert all(line.startswith("{") for line in p.stdout_lines + t.stdout_lines)
 
 

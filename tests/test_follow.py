@@ -297,7 +297,6 @@ class FollowMachine(RuleBasedStateMachine):
         if not hasattr(self, "f"):
             return
         self.lose_replies = False
-        self.claim_refused()  # the peer's next claim tells it, if no announcement did
         v = self.f.version
         head = self.world.head
         chain = sum(self.world.sizes[s] for s in range(v + 1, head + 1)) if v >= 0 else None
@@ -306,6 +305,10 @@ class FollowMachine(RuleBasedStateMachine):
         for _ in range(400):
             if self.f.version == head:
                 break
+            # The peer claims work again and again; while it is behind, each claim is
+            # refused, which tells it (a reply it waited for may have been answered
+            # before the newest step, as announcements can all be lost).
+            self.claim_refused()
             self.sync_reply(True)
             wake = self.f.wake_at()
             self.now = max(self.now + 0.01, wake if wake is not None else self.now)
@@ -315,4 +318,5 @@ class FollowMachine(RuleBasedStateMachine):
 
 
 TestFollowMachine = FollowMachine.TestCase
-TestFollowMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestFollowMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                     derandomize=True)

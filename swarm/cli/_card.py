@@ -46,9 +46,12 @@ def keep_card(data_dir: Path | None, card: SignedCard) -> None:
 
 
 async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: Path | None,
-                      timeout: float, say: Callable[[str], None]) -> SignedCard:
+                      timeout: float, say: Callable[[str], None],
+                      warn: Callable[[str, bool], None], warn_after: float) -> SignedCard:
     """The run's card, signed by ``trainer_id``: kept in ``data_dir``, else asked of the
-    trainer and of connected neighbours until one answers with a valid card.
+    trainer and of connected neighbours until one answers with a valid card. ``warn``
+    gets one line (and whether the trainer is connected) once none came within
+    ``warn_after`` seconds.
 
     :raises NoCard: none within ``timeout`` seconds.
     """
@@ -58,6 +61,7 @@ async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: P
         return kept
     start = time.monotonic()
     said = start
+    warned = False
     tried: dict[str, str] = {}
     attempt = 0
     while True:  # until a card, or the timeout
@@ -85,7 +89,18 @@ async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: P
                 "no peer connected"
             raise NoCard(f"no run card from trainer {trainer_id} within {timeout:g} s "
                          f"({attempt + 1} tries; {why}); check --trainer and --bootstrap")
-        if now - said >= 10:
+        if not warned and now - start >= warn_after:
+            warned = True
+            here = trainer_id in net.connected_peers()
+            if here:
+                why = "it is connected but serves no card (an older swarm?)"
+            else:
+                why = (f"it is not connected ({len(net.connected_peers())} other peer(s) "
+                       "are): check that --trainer is the id the trainer prints at start, "
+                       "and --bootstrap")
+            warn(f"no run card from trainer {trainer_id} within {warn_after:.0f} s; {why}",
+                 here)
+        elif now - said >= 10:
             said = now
             say(f"waiting for the run card from trainer {trainer_id} ({now - start:.0f} s)")
         await asyncio.sleep(min(1.0, 0.1 * 2 ** min(attempt, 4)))

@@ -108,7 +108,10 @@ async def _main(args: argparse.Namespace) -> int:
                    f"following trainer {args.trainer}")
         signed = await obtain_card(raw, trainer_id=args.trainer, run=args.run,
                                    data_dir=args.data_dir, timeout=args.card_timeout,
-                                   say=report.say)
+                                   say=report.say, warn_after=max(0.1, args.warn_after),
+                                   warn=lambda line, here: _warn(
+                                       report, "no_card", line, trainer=args.trainer,
+                                       connected=here))
         card = signed.card
         # Before any weights: an architecture this engine lacks, a missing extra, or too
         # little memory is said here, as one error line.
@@ -119,8 +122,6 @@ async def _main(args: argparse.Namespace) -> int:
         report.say(f"run card {signed.id.hex()[:12]}: {card.model_type}, "
                    f"{nbytes / 1e6:.1f} MB of {card.dtype} weights; engine {args.engine}")
         state, engine, start = await asyncio.to_thread(_build, card, args)
-        if start is not None:
-            report.say("the local weights are the run's version 0: only deltas travel")
         # DATA_DIR keeps the last verified version and received chunks: a restarted peer
         # resumes there; the bootstrap addresses are redialled if the trainer goes away.
         peer = RolloutPeer(identity, net, PeerConfig(run=args.run, trainer=args.trainer,

@@ -194,17 +194,16 @@ def _run_card(args: argparse.Namespace, identity: Identity, node: TrainerNode, m
               dtype: str) -> SignedCard:
     """The run's card: the one kept in DATA_DIR, else made from version 0 and kept."""
     from swarm.cli._card import keep_card, load_card
-    from swarm.content.card import card_for, model_config_json
+    from swarm.content.card import run_card
 
     kept = load_card(args.data_dir, trainer=identity.public_key, run=args.run)
     if kept is not None:
         return kept
-    v0 = node.manifests[0].manifest
-    if v0.step != 0:
+    v0 = node.manifests[0]
+    if v0.manifest.step != 0:
         log.warning("no run card in %s and version 0 is no longer kept: the card names "
-                    "version %d as the first", args.data_dir, v0.step)
-    card = card_for(args.run, config=model_config_json(model), files=(), dtype=dtype,
-                    version0=v0).sign(identity)
+                    "version %d as the first", args.data_dir, v0.manifest.step)
+    card = run_card(identity, args.run, model, v0, dtype=dtype)
     keep_card(args.data_dir, card)
     return card
 

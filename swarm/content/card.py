@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.content.ids import DIGEST_LEN, chunk_id
-from swarm.content.manifest import Manifest
+from swarm.content.manifest import Manifest, SignedManifest
 from swarm.errors import DecodeError, IntegrityError, LocalProtocolError, SignatureError
 from swarm.identity import (
     PUBLIC_KEY_LEN,
@@ -277,3 +277,15 @@ def model_config_json(model: Any) -> str:
     config = json.loads(model.config.to_json_string())
     config["architectures"] = [type(model).__name__]
     return json.dumps(config, indent=2, sort_keys=True)
+
+
+def run_card(identity: Identity, run: str, model: Any, version0: SignedManifest, *,
+             dtype: str = "bfloat16", model_dir: Path | None = None) -> SignedCard:
+    """The signed card of a run training the transformers ``model``, whose version 0 is
+    ``version0``; ``model_dir`` (an HF model dir) adds its tokenizer and generation files
+    and their eos ids. Serve it with ``Libp2pNode.serve_card(card.encode())``."""
+    files = card_files(model_dir) if model_dir is not None else ()
+    config = model_config_json(model)
+    stop = stop_ids_of(json.loads(config), dict(files))
+    return card_for(run, config=config, files=files, dtype=dtype,
+                    version0=version0.manifest, stop_token_ids=stop).sign(identity)

@@ -880,6 +880,9 @@ class DirectTransport:
     async def next_event(self) -> PeerEvent:
         return await self._events.get()
 
+    def poll_event(self) -> PeerEvent | None:
+        return self._events.get_nowait()
+
     def connected_peers(self) -> frozenset[str]:
         return self.plane.peers()
 

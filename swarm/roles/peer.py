@@ -184,6 +184,11 @@ class RolloutPeer(NodeBase):
             await self._resume()
             if self.version < 0 and self._start is not None:
                 self.version, self.root = self._start
+                self.verified += 1
+                self._status("verified", {
+                    "version": self.version, "kind": "local", "bytes": 0, "fetch_s": 0.0,
+                    "sync_s": 0.0, "installed_s": 0.0, "tensors": len(self.state),
+                    "bytes_up": 0, "bytes_down": 0, "bytes_from_trainer": 0})
             self.follower = self._new_follower()
             await self.start(self._on_exchange_event)
             sub = await self.net.subscribe(topics.manifests(self.config.run),

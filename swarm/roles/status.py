@@ -122,6 +122,9 @@ class _Progress:
         if event == "result":
             self.tasks += _int(f.get("tasks"))
             return None
+        if event == "verified" and f.get("kind") == "local":
+            return (f"version {f.get('version')} verified: the local weights hash to the "
+                    "run card's root (only deltas travel from here)")
         if event == "verified":
             down = _int(f.get("bytes_down"))
             got = max(0, down - self.down)
