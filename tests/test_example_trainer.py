@@ -18,10 +18,11 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "trainer_loop.py
 
 
 def test_the_example_trainer_is_followed_by_a_pasted_swarm_peer(tmp_path: Path) -> None:
+    err = (tmp_path / "trainer.stderr").open("w")
     trainer = subprocess.Popen(
         [sys.executable, str(EXAMPLE), "--steps", "2", "--listen", "/ip4/127.0.0.1/tcp/0",
-         "--linger", "30"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+         "--linger", "30"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True,
+        stdin=subprocess.DEVNULL)
     lines: list[str] = []
     joined = threading.Event()
 
@@ -36,7 +37,7 @@ def test_the_example_trainer_is_followed_by_a_pasted_swarm_peer(tmp_path: Path) 
     reader.start()
     peer = None
     try:
-        assert joined.wait(120), f"no join line; stderr: {trainer.stderr}"
+        assert joined.wait(120), (tmp_path / "trainer.stderr").read_text()[-2000:]
         command = next(x for x in lines if x.startswith("peers join with:"))
         m = re.fullmatch(r"peers join with: swarm peer --bootstrap (\S+) --trainer (\S+)",
                          command)
@@ -57,3 +58,7 @@ def test_the_example_trainer_is_followed_by_a_pasted_swarm_peer(tmp_path: Path) 
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait(10)
+        reader.join(10)
+        assert trainer.stdout is not None
+        trainer.stdout.close()
+        err.close()
