@@ -101,11 +101,11 @@ def describe_card(data: bytes, trainer: str | None = None) -> tuple[list[str], b
 
 
 def describe_state(path: Path, trainer: str | None = None) -> tuple[list[str], bool]:
-    """Lines about a saved state file, and whether its signatures all check out (against
-    ``trainer``, or else the signer its newest manifest names). The tensor bytes are
-    counted, not hashed."""
+    """Lines about a saved state file (a base, with the journal of deltas beside it), and
+    whether its signatures all check out (against ``trainer``, or else the signer its
+    newest manifest names). The tensor bytes are counted, not hashed."""
     from swarm.content.layout import MAX_LAYOUT_BYTES, StateLayout
-    from swarm.roles import persist
+    from swarm.roles import persist, statelog
     from swarm.wire import strict
 
     size = path.stat().st_size
@@ -127,6 +127,17 @@ def describe_state(path: Path, trainer: str | None = None) -> tuple[list[str], b
                  if type(x) is bytes]
     if not manifests:
         raise DecodeError(f"{path}: a saved state without manifests")
+    base = manifests[-1].manifest
+    journal_line = None
+    try:
+        info = statelog.describe_journal(path, base.step, base.target_root)
+    except (OSError, DecodeError) as exc:
+        info, journal_line = None, f"journal       unreadable: {exc}"
+    if info is not None:
+        manifests += info.manifests
+        journal_line = (f"journal       {len(info.manifests)} deltas ({_human(info.record_bytes)}) "
+                        f"after base step {base.step}"
+                        + (f"; {info.ignored}" if info.ignored else ""))
     last = manifests[-1].manifest
     signer = public_key_from_peer_id(trainer) if trainer else last.signer
     valid = all(sm.verify() and sm.manifest.signer == signer for sm in manifests)
@@ -146,6 +157,8 @@ def describe_state(path: Path, trainer: str | None = None) -> tuple[list[str], b
         f"signatures    {'valid' if valid else 'INVALID'}"
         + (f" (against --trainer {trainer})" if trainer else ""),
     ]
+    if journal_line is not None:
+        lines.insert(5, journal_line)
     return lines, valid and tensor_bytes == layout.nbytes
 
 
@@ -168,6 +181,8 @@ def describe_data_dir(path: Path, trainer: str | None = None) -> list[str]:
                 lines.append(f"{name:<14}unreadable: {exc}")
         if (path / f"{name}.bad").exists():
             lines.append(f"{name + '.bad':<14}a refused state moved aside")
+        if not state.is_file() and (path / f"{name}.journal").is_file():
+            lines.append(f"{name + '.journal':<14}a journal without its base (ignored)")
     card = path / "run.card"
     if card.is_file():
         try:

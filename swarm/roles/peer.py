@@ -62,7 +62,7 @@ from swarm.protocol.follow import (
     Stop,
 )
 from swarm.protocol.leases import PeerLeases
-from swarm.roles import persist, sync
+from swarm.roles import statelog, sync
 from swarm.roles.common import Clock, Network, NodeBase
 from swarm.roles.discovery import Discovery, DiscoveryConfig
 from swarm.roles.mux import Channel
@@ -268,16 +268,19 @@ class RolloutPeer(NodeBase):
 
     # -- restarts ----------------------------------------------------------------------
     async def _resume(self) -> None:
-        """Load the state saved in ``data_dir``; a refused one is moved aside."""
+        """Load the state saved in ``data_dir`` (its base and journal); a refused one is
+        moved aside."""
         path = self._state_path
-        if path is None:
+        self._written = 0  # bytes the last save wrote
+        self._statelog = None if path is None else statelog.StateLog(path)
+        if self._statelog is None:
             return
         try:
             saved = await asyncio.to_thread(
-                persist.load_state, path, trusted_signer=self.trainer_key, run=self.config.run,
+                self._statelog.load, trusted_signer=self.trainer_key, run=self.config.run,
                 layout=layout_of(self.state))
         except SwarmError as exc:
-            persist.discard(path, str(exc))
+            self._statelog.discard(str(exc))
             self._status("resume_refused", {"error": str(exc)})
             return
         if saved is None:
@@ -292,10 +295,21 @@ class RolloutPeer(NodeBase):
         self._status("resumed", {"version": saved.step})
 
     async def _save(self, sm: SignedManifest) -> None:
-        if self._state_path is None:
+        """Save the version just taken: a delta that follows the saved one is appended to
+        the journal (its chunks, still held by the exchange), anything else is a new base."""
+        self._written = 0
+        if self._statelog is None:
             return
+        chunks: list[bytes | memoryview] | None = None
+        if sm.manifest.kind == "delta":
+            obj = ObjectSpec.from_manifest(sm).obj
+            held = [self.driver.exchange.chunk(obj, i) for i in range(len(sm.manifest.chunks))]
+            chunks = [c for c in held if c is not None]
+            if len(chunks) != len(held):
+                chunks = None
         try:
-            await asyncio.to_thread(persist.save_state, self._state_path, self.state, [sm])
+            self._written = await asyncio.to_thread(self._statelog.save, self.state, [sm],
+                                                    chunks)
         except SwarmError as exc:
             log.error("could not save step %d: %s", sm.manifest.step, exc)
 
@@ -457,6 +471,7 @@ class RolloutPeer(NodeBase):
             "bytes": sm.manifest.total_bytes, "fetch_s": round(fetched, 3),
             "sync_s": round(verified_at - t0, 3),
             "installed_s": round(self.clock.now() - t0, 3), "tensors": len(changed),
+            "written": self._written,
             "bytes_up": self.driver.exchange.bytes_up,
             "bytes_down": self.driver.exchange.bytes_down,
             # bytes from the trainer over its current connection (the CLI's progress line)

@@ -11,6 +11,10 @@ The header is canonical msgpack ``{"v": 1, "layout": <layout bytes>, "manifests"
 state hashes to. Loading checks every manifest's signature against the trainer's key, the
 run, the layout and size, and recomputes the root: a saved state is only ever trusted as
 far as the trainer signed it.
+
+The roles keep such a file as the base of a :class:`~swarm.roles.statelog.StateLog`: the
+versions that follow it are appended to a journal beside it, delta by delta, and folded
+into a new base now and then.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class SavedState:
         return self.manifest.manifest.target_root
 
 
-def write_atomic(path: Path, parts: Sequence[bytes | memoryview]) -> None:
+def write_atomic(path: Path, parts: Sequence[bytes | bytearray | memoryview]) -> None:
     """Write ``parts`` to ``path`` through a temporary file, fsync and rename.
 
     :raises StoreError: the file could not be written.
@@ -85,8 +89,9 @@ def write_atomic(path: Path, parts: Sequence[bytes | memoryview]) -> None:
 
 
 def save_state(path: Path, state: Mapping[str, torch.Tensor],
-               manifests: Sequence[SignedManifest]) -> None:
-    """Atomically save ``state`` with the manifests that vouch for it (last: its own).
+               manifests: Sequence[SignedManifest]) -> int:
+    """Atomically save ``state`` with the manifests that vouch for it (last: its own);
+    returns the bytes written.
 
     :raises StoreError: the file could not be written.
     """
@@ -99,6 +104,7 @@ def save_state(path: Path, state: Mapping[str, torch.Tensor],
     parts: list[bytes | memoryview] = [MAGIC, _LEN.pack(len(header)), header]
     parts.extend(v.data for v in byte_views(state))
     write_atomic(path, parts)
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -119,6 +125,29 @@ def load_state(path: Path, *, trusted_signer: bytes, run: str,
     :raises SignatureError: a manifest is not signed by ``trusted_signer``.
     :raises IntegrityError: wrong run, wrong layout, or the state does not hash to the root
         its manifest signs.
+    """
+    saved = read_state(path, trusted_signer=trusted_signer, run=run, layout=layout)
+    if saved is not None:
+        check_root(saved)
+    return saved
+
+
+def check_root(saved: SavedState) -> None:
+    """:raises IntegrityError: ``saved.state`` does not hash to its manifest's root."""
+    m = saved.manifest.manifest
+    if state_root_of(saved.state, m.piece_size) != m.target_root:
+        raise IntegrityError(f"saved state does not hash to the root of step {m.step}")
+
+
+def read_state(path: Path, *, trusted_signer: bytes, run: str,
+               layout: StateLayout | None = None) -> SavedState | None:
+    """:func:`load_state` without the root check (the caller hashes the state once, after
+    it replayed a journal on top: :mod:`swarm.roles.statelog`).
+
+    :raises StoreError: the file cannot be read.
+    :raises DecodeError: the file is malformed or truncated.
+    :raises SignatureError: a manifest is not signed by ``trusted_signer``.
+    :raises IntegrityError: wrong run or wrong layout.
     """
     try:
         fh = open(path, "rb")  # noqa: SIM115 - closed below, sized reads
@@ -155,9 +184,6 @@ def load_state(path: Path, *, trusted_signer: bytes, run: str,
                 state[spec.name] = flat.view(_torch_dtype(spec.dtype)).reshape(spec.shape)
         except OSError as exc:
             raise StoreError(f"cannot read {path}: {exc}") from exc
-    m = manifests[-1].manifest
-    if state_root_of(state, m.piece_size) != m.target_root:
-        raise IntegrityError(f"saved state does not hash to the root of step {m.step}")
     return SavedState(state, manifests)
 
 

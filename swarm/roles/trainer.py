@@ -46,7 +46,7 @@ from swarm.protocol.leases import (
     Sampling,
     TrainerLeases,
 )
-from swarm.roles import persist, sync
+from swarm.roles import statelog, sync
 from swarm.roles.common import Clock, Network, NodeBase
 from swarm.roles.mux import Channel
 from swarm.roles.trainer_state import TrainerState
@@ -174,13 +174,15 @@ class TrainerNode(NodeBase):
 
     # -- restarts ----------------------------------------------------------------------
     async def _restore(self) -> None:
-        """Resume from ``data_dir``: the published state, its manifests, their chunks."""
+        """Resume from ``data_dir``: the published state (base and journal), its manifests,
+        their chunks."""
+        self._statelog = statelog.StateLog(self._state_path)
         try:
             saved = await asyncio.to_thread(
-                persist.load_state, self._state_path, trusted_signer=self.identity.public_key,
+                self._statelog.load, trusted_signer=self.identity.public_key,
                 run=self.config.run)
         except SwarmError as exc:
-            persist.discard(self._state_path, str(exc))
+            self._statelog.discard(str(exc))
             return
         if saved is None:
             return
@@ -228,7 +230,10 @@ class TrainerNode(NodeBase):
             for i, (cid, _) in enumerate(sm.manifest.chunks):
                 self._chunks.put(cid, bytes(data[i]), step)  # delta chunks: bytes, no copy
         kept = [*list(self.manifests)[-self.config.keep_versions:], sm]
-        persist.save_state(self._state_path, snapshot, kept)
+        chunks = [data[i] for i in range(len(sm.manifest.chunks))] \
+            if sm.manifest.kind == "delta" else None
+        written = self._statelog.save(snapshot, kept, chunks)  # a delta: appended
+        log.debug("step %d: %d bytes of state written", step, written)
         first = kept[0].manifest.step
         for v in self._chunks.versions():
             if v < first:
