@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast test-vllm lint clean
+.PHONY: demo test test-e2e test-fast test-vllm lint clean
 
 # The codec's C extension (swarm.delta._xg), built in place by the editable install and
 # rebuilt by the rules below when one of its sources changes.
@@ -28,6 +28,9 @@ demo: $(BIN)/.xg-built
 
 test: $(BIN)/.xg-built
 	$(BIN)/pytest -q
+
+test-e2e: $(BIN)/.xg-built
+	$(BIN)/pytest -q -m e2e
 
 test-fast: $(BIN)/.xg-built
 	$(BIN)/pytest -q -m "not slow"
@@ -53,14 +56,19 @@ UV_LOCAL := $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
 UV_INSTALL := $(VBIN)/uv pip install -q --python $(VBIN)/python --compile-bytecode \
 	$(UV_LOCAL) --index-strategy unsafe-best-match --excludes $(VLLM_VENV)/excludes.txt
 
+# What `swarm peer --engine vllm` needs besides vLLM (the project's runtime dependencies,
+# resolved together with vLLM's so that one set of protobuf etc. serves both).
+VLLM_PEER_DEPS := "libp2p>=0.8,<0.9" "trio>=0.25" "cryptography>=42" "blake3>=0.4" \
+	"msgpack>=1.0" "zstandard>=0.22" "numpy>=1.26" "safetensors>=0.4"
+
 $(VBIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VBIN)/pip install -q uv
 	printf 'torchvision\ntorchaudio\ntorchcodec\n' > $(VLLM_VENV)/excludes.txt
-	$(UV_INSTALL) "$(TORCH_SPEC)" "$(VLLM_SPEC)" blake3 msgpack zstandard cryptography \
+	$(UV_INSTALL) "$(TORCH_SPEC)" "$(VLLM_SPEC)" $(VLLM_PEER_DEPS) \
 		"pytest>=8" pytest-asyncio pytest-timeout "setuptools>=77"
 	$(UV_INSTALL) --no-deps -e .
-	$(VBIN)/python -c "from vllm import LLM"
+	$(VBIN)/python -c "from vllm import LLM; import libp2p, trio, transformers"
 	touch $@
 
 $(VBIN)/.xg-built: $(VBIN)/.installed $(XG_SRC)

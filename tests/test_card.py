@@ -33,8 +33,8 @@ def _card(files: tuple[tuple[str, bytes], ...] = (), **over: object) -> RunCard:
     state = inference_state(model)
     fields: dict[str, object] = dict(
         run="r1", config=model_config_json(model), files=files, dtype="bfloat16",
-        layout_digest=layout_of(state).digest, codec="xg1", root=state_root_of(state, 1 << 16),
-        piece_size=1 << 16, stop_token_ids=(0, 2))
+        layout_digest=layout_of(state).digest, codec="swarm-xg1",
+        root=state_root_of(state, 1 << 16), piece_size=1 << 16, stop_token_ids=(0, 2))
     fields.update(over)
     return RunCard(**fields)  # type: ignore[arg-type]
 
@@ -91,10 +91,25 @@ def test_the_model_built_from_the_card_is_version_0_and_base_weights_load(tmp_pa
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "m.safetensors"))
-    other = inference_state(build_from_card(card, seed=5), card.dtype)
-    assert state_root_of(other, card.piece_size) != card.root
+    other = build_from_card(card, seed=5)
+    assert state_root_of(inference_state(other), card.piece_size) != card.root
     assert load_base_weights(tmp_path, other) == len(state)
-    assert state_root_of(other, card.piece_size) == card.root
+    assert state_root_of(inference_state(other), card.piece_size) == card.root
+
+
+def test_base_weights_saved_with_tied_embeddings_fill_both_names(tmp_path: Path) -> None:
+    """save_pretrained writes a tied tensor once (the embedding): the head follows it."""
+    tied = json.loads(_card().config)
+    tied["tie_word_embeddings"] = True
+    model = build_from_card(_card(config=json.dumps(tied)), seed=3)
+    model.save_pretrained(tmp_path)
+    card = _card(config=json.dumps(tied))
+    card = _card(config=card.config, layout_digest=layout_of(inference_state(model)).digest,
+                 root=state_root_of(inference_state(model), 1 << 16))
+    fresh = build_from_card(card)
+    assert state_root_of(inference_state(fresh), 1 << 16) != card.root
+    load_base_weights(tmp_path, fresh)
+    assert state_root_of(inference_state(fresh), 1 << 16) == card.root
 
 
 def test_what_a_peer_cannot_run_is_said_before_any_weights() -> None:
@@ -104,6 +119,8 @@ def test_what_a_peer_cannot_run_is_said_before_any_weights() -> None:
         check_card(_card(), available=1000)
     with pytest.raises(CardUnsupported, match="unknown engine"):
         check_card(_card(), "tpu")
+    with pytest.raises(CardUnsupported, match="codec 'xg0'"):
+        check_card(_card(codec="xg0"))
     wider = json.loads(_card().config)
     wider["intermediate_size"] += 8
     card = _card(config=json.dumps(wider))

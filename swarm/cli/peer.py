@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "version 0, only deltas are fetched")
     p.add_argument("--card-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="give up (status 2) when no run card came within this long")
+    p.add_argument("--check-engine", action="store_true",
+                   help="after every update (and at start), compare the engine's per-tensor "
+                        "digests with the verified state's; a mismatch stops the peer "
+                        "(costs one pass over the weights per version)")
     p.add_argument("--corrupt", action="store_true",
                    help="chaos: serve corrupted chunks (other peers must ban this one)")
 
@@ -122,6 +126,8 @@ async def _main(args: argparse.Namespace) -> int:
         report.say(f"run card {signed.id.hex()[:12]}: {card.model_type}, "
                    f"{nbytes / 1e6:.1f} MB of {card.dtype} weights; engine {args.engine}")
         state, engine, start = await asyncio.to_thread(_build, card, args)
+        if args.check_engine:
+            engine = await asyncio.to_thread(_checked, engine, state, report)
         # DATA_DIR keeps the last verified version and received chunks: a restarted peer
         # resumes there; the bootstrap addresses are redialled if the trainer goes away.
         peer = RolloutPeer(identity, net, PeerConfig(run=args.run, trainer=args.trainer,
@@ -163,9 +169,9 @@ def _build(card: RunCard, args: argparse.Namespace
     )
 
     model = build_model(card)
-    state = inference_state(model, card.dtype)
     if args.base_weights is not None:
-        load_base_weights(args.base_weights, state)
+        load_base_weights(args.base_weights, model)
+    state = inference_state(model, card.dtype)
     check_layout(card, state)
     start = None
     if state_root_of(state, card.piece_size) == card.root:
@@ -181,10 +187,27 @@ def _build(card: RunCard, args: argparse.Namespace
     return state, engine, start
 
 
+def _checked(engine: RolloutEngine, state: dict[str, torch.Tensor], report: Reporter
+             ) -> RolloutEngine:
+    """``--check-engine``: the engine, checked against the state now and after every
+    update; each check is an ``engine_checked`` event."""
+    from swarm.engines.checked import CheckedEngine
+
+    checked = CheckedEngine(engine, state, lambda fields: report.emit("engine_checked",
+                                                                       **fields))
+    try:
+        checked.check()
+    except BaseException:
+        engine.close()
+        raise
+    return checked
+
+
 def _vllm_engine(card: RunCard, state: dict[str, torch.Tensor], args: argparse.Namespace
                  ) -> RolloutEngine:
     """vLLM over a model dir written from the card and the state (in DATA_DIR, else a
     temporary dir)."""
+    import dataclasses
     import tempfile
 
     from safetensors.torch import save_file
@@ -195,7 +218,12 @@ def _vllm_engine(card: RunCard, state: dict[str, torch.Tensor], args: argparse.N
         Path(tempfile.mkdtemp(prefix="swarm-model-"))
     card.write_model_dir(root)
     save_file({n: t.contiguous() for n, t in state.items()}, str(root / "model.safetensors"))
-    return VLLMEngine(VLLMEngineConfig(model_dir=str(root), dtype=card.dtype))
+    config = VLLMEngineConfig(model_dir=str(root), dtype=card.dtype)
+    # vLLM refuses a max_model_len beyond the model's positions (the demo's are 64).
+    positions = card.model_config.get("max_position_embeddings")
+    if isinstance(positions, int) and 0 < positions < config.max_model_len:
+        config = dataclasses.replace(config, max_model_len=positions)
+    return VLLMEngine(config)
 
 
 def _warn(report: Reporter, event: str, line: str, **fields: object) -> None:

@@ -267,9 +267,12 @@ def _decode_body(body: bytes) -> RunCard:
 
 def card_for(run: str, *, config: str, files: tuple[tuple[str, bytes], ...], dtype: str,
              version0: Manifest, stop_token_ids: tuple[int, ...] = ()) -> RunCard:
-    """The card of a run whose version 0 is ``version0`` (its layout, codec and root)."""
+    """The card of a run whose version 0 is ``version0`` (its layout and root) and whose
+    deltas use this build's codec."""
+    from swarm.delta.codec import CODEC_NAME
+
     return RunCard(run, config, tuple(sorted(files)), dtype, version0.layout_digest,
-                   version0.codec, version0.target_root, version0.piece_size, stop_token_ids)
+                   CODEC_NAME, version0.target_root, version0.piece_size, stop_token_ids)
 
 
 def model_config_json(model: Any) -> str:

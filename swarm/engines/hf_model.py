@@ -58,8 +58,13 @@ def check_card(card: RunCard, engine: str = "torch", *,
     :raises CardUnsupported: an unknown architecture for the engine, a missing extra, or
         not enough memory (``available`` bytes; default: this machine's MemAvailable).
     """
+    from swarm.delta.codec import CODEC_NAME
+
     if engine not in ENGINES:
         raise CardUnsupported(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+    if card.codec != CODEC_NAME:
+        raise CardUnsupported(f"the run's deltas use codec {card.codec!r}; this swarm "
+                              f"decodes {CODEC_NAME!r} (a different swarm version?)")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if card.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -112,10 +117,11 @@ def check_layout(card: RunCard, state: Mapping[str, torch.Tensor]) -> None:
             "differently than the trainer's)")
 
 
-def load_base_weights(model_dir: Path, state: dict[str, torch.Tensor]) -> int:
-    """Copy the tensors of an HF safetensors checkpoint into ``state`` (cast to its
-    dtypes); returns how many were found. Names missing from the checkpoint keep their
-    values; the caller verifies the result against the run's roots.
+def load_base_weights(model_dir: Path, model: torch.nn.Module) -> int:
+    """Copy the tensors of an HF safetensors checkpoint into ``model`` (cast to its
+    dtypes; a tied tensor, saved once, fills every name it is tied to); returns how many
+    were found. Names missing from the checkpoint keep their values; the caller verifies
+    the result against the run's roots.
 
     :raises CardUnsupported: no safetensors files, or a tensor of another shape.
     """
@@ -124,12 +130,13 @@ def load_base_weights(model_dir: Path, state: dict[str, torch.Tensor]) -> int:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CardUnsupported(f"--base-weights {model_dir}: no *.safetensors files there")
+    own = model.state_dict()
     found = 0
     with torch.no_grad():
         for f in files:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    dst = state.get(name)
+                    dst = own.get(name)
                     if dst is None:
                         continue
                     src = fh.get_tensor(name)
