@@ -521,19 +521,27 @@ class RolloutPeer(NodeBase):
         self._withdraw_views()
         settled = False  # ``version`` and ``root`` describe the state again
         try:
+            # Decoding and patching run off the event loop: the exchange keeps serving
+            # and the engine keeps generating meanwhile.
             if sm.manifest.kind == "keyframe":
-                for i, data in enumerate(chunks):
-                    filler.put_piece(i, data)
-                root = await asyncio.to_thread(filler.finish)
+                def fill() -> bytes:
+                    for i, data in enumerate(chunks):
+                        filler.put_piece(i, data)
+                    return filler.finish()
+
+                root = await asyncio.to_thread(fill)
                 changed = frozenset(self.state)
                 # Serve the pieces from the state from now on; free the received copy.
                 del chunks
                 ex.replace_data(spec.obj, piece_views(self.state, sm.manifest.piece_size))
                 self._views_served.add(spec.obj)
             else:
-                try:
+                def patch() -> None:
                     for cid, data in zip(spec.chunk_ids, chunks, strict=True):
                         patcher.apply(cid, data)
+
+                try:
+                    await asyncio.to_thread(patch)
                 except SwarmError:
                     patcher.revert()  # back to the base version, exactly
                     settled = True
