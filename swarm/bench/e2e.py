@@ -104,7 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target size of a delta chunk in KiB (default 256)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="most seconds for every peer to verify one version (default 600)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="workload seed (default 0: the peers' seeded build is version 0; "
+                        "another seed makes them fetch version 0 as a keyframe)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="work in DIR and keep it (data dirs, peers' stderr); default: a "
