@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(costs one pass over the weights per version)")
     p.add_argument("--corrupt", action="store_true",
                    help="chaos: serve corrupted chunks (other peers must ban this one)")
+    p.add_argument("--chaos-liar", action="store_true",
+                   help="chaos: announce every chunk and serve none (other peers must time "
+                        "this one out and drop it)")
 
 
 def exchange_config(args: argparse.Namespace) -> ExchangeConfig:
@@ -140,6 +143,7 @@ async def _main(args: argparse.Namespace) -> int:
         async with peer:
             if args.corrupt:
                 peer.driver.corrupt_uploads = True
+            peer.driver.lie_about_chunks = args.chaos_liar
             watch = asyncio.create_task(_watch(peer, net, args, report))
             closed = asyncio.create_task(peer.closed.wait())
             try:

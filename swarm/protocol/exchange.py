@@ -306,7 +306,7 @@ class Exchange(DownloadSide, UploadSide):
             reason = f"{p.unanswered} requests unanswered over {p.strikes} time-outs"
             log.info("%s: dropping neighbour %s: %s", self.me, p.peer, reason)
             self._events.append(PeerPenalized(p.peer, reason))
-            self._events.append(PeerTimedOut(p.peer))
+            self._events.append(PeerTimedOut(p.peer, reason))
             self.disconnect(p.peer, now)
         if now >= self._next_rechoke:
             self._rechoke(now)

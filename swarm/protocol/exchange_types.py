@@ -142,6 +142,7 @@ class PeerTimedOut:
     """A neighbour stopped answering; it was dropped and may be replaced."""
 
     peer: str
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)

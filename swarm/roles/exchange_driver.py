@@ -25,8 +25,8 @@ from swarm.protocol.exchange import (
     PeerPenalized,
     PeerTimedOut,
 )
+from swarm.protocol.exchange_msgs import Bitfield, Piece, Reject, encode
 from swarm.protocol.exchange_msgs import Message as ExchangeMessage
-from swarm.protocol.exchange_msgs import Piece, encode
 from swarm.roles.mux import Channel, Mux
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class ExchangeDriver:
         self._tasks: list[asyncio.Task[None]] = []
         #: Chaos switch for demos and tests: flip one byte of every piece we upload.
         self.corrupt_uploads = False
+        #: Chaos switch: announce every chunk of every object, serve none, refuse nothing
+        #: (a silent liar: neighbours must time it out and drop it).
+        self.lie_about_chunks = False
 
     def now(self) -> float:
         return self._clock()
@@ -202,6 +205,11 @@ class ExchangeDriver:
                         break
                     if self.corrupt_uploads and isinstance(msg, Piece) and msg.data:
                         msg = Piece(msg.obj, msg.index, bytes([msg.data[0] ^ 0xFF]) + msg.data[1:])
+                    if self.lie_about_chunks:
+                        if isinstance(msg, Piece | Reject):
+                            continue
+                        if isinstance(msg, Bitfield):
+                            msg = Bitfield(msg.obj, msg.count, _all_set(msg.count))
                     await self.mux.send(Channel.EXCHANGE, peer, encode(msg))
                     self._pump()
         except (PeerUnreachable, TransportClosed) as exc:
@@ -209,3 +217,11 @@ class ExchangeDriver:
             self._links.pop(peer, None)
             self.exchange.disconnect(peer, self.now())
             self._pump()
+
+
+def _all_set(count: int) -> bytes:
+    """A bitfield of ``count`` chunks, all held (LSB first; bits past the end clear)."""
+    full = bytearray(b"\xff" * ((count + 7) // 8))
+    if count % 8:
+        full[-1] = (1 << (count % 8)) - 1
+    return bytes(full)

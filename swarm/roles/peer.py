@@ -50,7 +50,14 @@ from swarm.errors import (
 from swarm.identity import Identity, public_key_from_peer_id
 from swarm.net import topics
 from swarm.net.transport import Subscription
-from swarm.protocol.exchange import ChunkStored, Event, ExchangeConfig, ObjectSpec, PeerBanned
+from swarm.protocol.exchange import (
+    ChunkStored,
+    Event,
+    ExchangeConfig,
+    ObjectSpec,
+    PeerBanned,
+    PeerTimedOut,
+)
 from swarm.protocol.follow import (
     Action,
     AskTrainer,
@@ -265,6 +272,8 @@ class RolloutPeer(NodeBase):
         elif isinstance(ev, PeerBanned):
             self.bans.append((ev.peer, ev.reason))
             self._status("banned", {"peer": ev.peer, "reason": ev.reason})
+        elif isinstance(ev, PeerTimedOut):
+            self._status("dropped", {"peer": ev.peer, "reason": ev.reason})
 
     # -- restarts ----------------------------------------------------------------------
     async def _resume(self) -> None:
@@ -351,6 +360,9 @@ class RolloutPeer(NodeBase):
             log.warning("dropped a manifest: %s", exc)
             return
         offered = self.follower.offer(sm, self.clock.now())
+        if self.driver.lie_about_chunks and sm.manifest.chunks and \
+                not self.driver.has_object(sm.id):
+            self.driver.add_object(ObjectSpec.from_manifest(sm))  # chaos: claim it all
         if offered.kind == "held":
             # A keyframe of the version we hold: seed its pieces for newcomers (not while
             # the state is being written: then it holds no version).

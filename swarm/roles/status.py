@@ -164,6 +164,8 @@ class _Progress:
             return f"trainer reachable again (holding version {f.get('version')})"
         if event == "banned":
             return f"banned peer {f.get('peer')}: {f.get('reason')}"
+        if event == "dropped":
+            return f"dropped neighbour {f.get('peer')}: {f.get('reason')}"
         if event == "resume_refused":
             return f"saved state not used: {f.get('error')}"
         if event == "done":
