@@ -148,14 +148,8 @@ class SignedCard:
         :raises SignatureError: bad signature, or the signer is not ``trusted_signer``.
         :raises IntegrityError: a card of another run than ``run``.
         """
-        outer = strict.unpack(data, max_bytes=MAX_CARD_BYTES, max_bin=MAX_CARD_BYTES,
-                              max_array=2, max_map=0, max_str=0)
-        if type(outer) is not list or len(outer) != 2 or \
-                any(type(x) is not bytes for x in outer):
-            raise DecodeError("card: expected [body, signature]")
-        body, sig = outer
-        if len(sig) != SIGNATURE_LEN:
-            raise SignatureError("card: signature is not 64 bytes")
+        body, sig = strict.unpack_signed(data, max_bytes=MAX_CARD_BYTES, what="card",
+                                         signature_len=SIGNATURE_LEN)
         card = _decode_body(body)
         if trusted_signer is not None and card.signer != trusted_signer:
             raise SignatureError(f"card signed by {card.signer_peer_id}, expected "

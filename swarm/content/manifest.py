@@ -137,15 +137,8 @@ class SignedManifest:
         :raises DecodeError: malformed, oversized, non-canonical or unknown version.
         :raises SignatureError: bad signature, or signer is not ``trusted_signer``.
         """
-        outer = strict.unpack(data, max_bytes=MAX_MANIFEST_BYTES, max_bin=MAX_MANIFEST_BYTES,
-                              max_array=2, max_map=0, max_str=0)
-        if type(outer) is not list or len(outer) != 2:
-            raise DecodeError("manifest: expected [body, signature]")
-        body, sig = outer
-        if type(body) is not bytes or type(sig) is not bytes:
-            raise DecodeError("manifest: body and signature are bytes")
-        if len(sig) != SIGNATURE_LEN:
-            raise SignatureError("manifest: signature is not 64 bytes")
+        body, sig = strict.unpack_signed(data, max_bytes=MAX_MANIFEST_BYTES, what="manifest",
+                                         signature_len=SIGNATURE_LEN)
         manifest = decode_body(body)
         if trusted_signer is not None and manifest.signer != trusted_signer:
             raise SignatureError(

@@ -114,3 +114,20 @@ def get_list(m: Mapping[str, Any], key: str, max_len: int) -> list[Any]:
     if type(v) is not list or len(v) > max_len:
         raise DecodeError(f"field {key!r}: expected a list of at most {max_len} items")
     return v
+
+
+def unpack_signed(data: bytes, *, max_bytes: int, what: str, signature_len: int = 64
+                  ) -> tuple[bytes, bytes]:
+    """``(body, signature)`` of a ``msgpack([body, signature])`` envelope (the form of
+    signed manifests and run cards), bounded before anything is allocated.
+
+    :raises DecodeError: not such a pair, oversized, or a signature of another length.
+    """
+    outer = unpack(data, max_bytes=max_bytes, max_bin=max_bytes, max_array=2, max_map=0,
+                   max_str=0)
+    if type(outer) is not list or len(outer) != 2 or any(type(x) is not bytes for x in outer):
+        raise DecodeError(f"{what}: expected [body, signature]")
+    body, sig = outer
+    if len(sig) != signature_len:
+        raise DecodeError(f"{what}: signature is not {signature_len} bytes")
+    return body, sig
