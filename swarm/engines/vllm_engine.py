@@ -9,6 +9,12 @@ into vLLM's (fused) parameters in place; the prefix cache is reset after every u
 In-process mode (the default: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni``
 executor) passes update tensors by reference. Otherwise vLLM runs its engine core in a
 child process and update tensors travel as raw bytes.
+
+Every call into vLLM runs on one thread that the engine owns, whichever thread calls the
+engine: vLLM's CPU worker sets up (and binds) its OpenMP threads on the thread that
+starts it, and its CPU attention refuses to run on a thread with another OpenMP thread
+count ("Check failed: input->metadata->thread_num == thread_num"), as happens when a peer
+calls ``generate`` through ``asyncio.to_thread`` after ``torch.set_num_threads(1)``.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,6 +49,8 @@ from swarm.protocol.leases import Completion, FinishReason, Sampling
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "swarm.engines.vllm_worker.SwarmWorkerExtension"
+
+_T = TypeVar("_T")
 
 # safetensors header dtype codes -> layout dtype names.
 _SAFETENSORS_DTYPES = {
@@ -110,26 +120,14 @@ class VLLMEngine:
 
     def __init__(self, config: VLLMEngineConfig) -> None:
         self._config = config
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
-        from vllm import LLM
-
-        kwargs: dict[str, Any] = {}
-        if config.in_process:
-            kwargs["distributed_executor_backend"] = "uni"
-        self._llm: Any = LLM(
-            model=config.model_dir,
-            skip_tokenizer_init=True,
-            dtype=config.dtype,
-            max_model_len=config.max_model_len,
-            seed=config.seed,
-            enforce_eager=config.enforce_eager,
-            kv_cache_memory_bytes=config.kv_cache_bytes,
-            max_num_seqs=config.max_num_seqs,
-            worker_extension_cls=WORKER_EXTENSION,
-            disable_log_stats=True,
-            **kwargs,
-        )
+        self._closed = True
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
+        self._thread_id = self._thread.submit(threading.get_ident).result()
+        try:
+            self._llm: Any = self._on_thread(self._start)
+        except BaseException:
+            self._thread.shutdown(wait=False)
+            raise
         self._closed = False
         try:
             self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
@@ -142,6 +140,29 @@ class VLLMEngine:
             self.close()
             raise
         log.info("vLLM engine up: %s, %d tensors", config.model_dir, len(self._layout))
+
+    def _start(self) -> Any:
+        config = self._config
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {}
+        if config.in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        return LLM(
+            model=config.model_dir,
+            skip_tokenizer_init=True,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            enforce_eager=config.enforce_eager,
+            kv_cache_memory_bytes=config.kv_cache_bytes,
+            max_num_seqs=config.max_num_seqs,
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+            **kwargs,
+        )
 
     def _check_checkpoint(self) -> None:
         for name, (_, shape) in checkpoint_layout(self._config.model_dir).items():
@@ -183,7 +204,7 @@ class VLLMEngine:
             ))
         if not inputs:
             return []
-        outputs = self._llm.generate(inputs, params, use_tqdm=False)
+        outputs = self._on_thread(self._llm.generate, inputs, params, use_tqdm=False)
         return [_completion(out.outputs[0]) for out in outputs]
 
     def apply(self, update: Mapping[str, torch.Tensor]) -> None:
@@ -203,7 +224,7 @@ class VLLMEngine:
             )
             items.append((name, dtype_name(value.dtype), tuple(value.shape), payload))
         self._rpc("swarm_apply", items)
-        self._llm.reset_prefix_cache()
+        self._on_thread(self._llm.reset_prefix_cache)
         log.debug("applied %d tensors", len(items))
 
     def apply_sparse(self, update: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -223,7 +244,7 @@ class VLLMEngine:
             else:
                 items.append((name, bytes(raw_bytes(indices)), bytes(raw_bytes(values))))
         self._rpc("swarm_apply_sparse", items)
-        self._llm.reset_prefix_cache()
+        self._on_thread(self._llm.reset_prefix_cache)
         log.debug("applied sparse values to %d tensors", len(items))
 
     def tensor_digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
@@ -244,9 +265,10 @@ class VLLMEngine:
             return
         self._closed = True
         try:
-            self._llm.llm_engine.engine_core.shutdown()
+            self._on_thread(self._llm.llm_engine.engine_core.shutdown)
         finally:
             self._llm = None
+            self._thread.shutdown(wait=False)
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -255,8 +277,14 @@ class VLLMEngine:
         self.close()
 
     def _rpc(self, method: str, *args: Any) -> Any:
-        results = self._llm.collective_rpc(method, args=args)
+        results = self._on_thread(self._llm.collective_rpc, method, args=args)
         return results[0]
+
+    def _on_thread(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)`` on the engine's own thread (see the module docstring)."""
+        if threading.get_ident() == self._thread_id:
+            return fn(*args, **kwargs)
+        return self._thread.submit(fn, *args, **kwargs).result()
 
     def _check_open(self) -> None:
         if self._closed:
