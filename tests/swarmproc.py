@@ -166,3 +166,61 @@ def verified(p: SwarmProc) -> list[int]:
 
 def step_of(ev: Event) -> int:
     return int(ev["step"])
+
+
+class ScriptProc:
+    """A Python script run as a user runs it (``python SCRIPT ...``), its stdout read line
+    by line as it comes; stderr goes to a file."""
+
+    def __init__(self, script: Path, argv: Sequence[str], cwd: Path) -> None:
+        self._err_path = cwd / f"{script.stem}.{time.monotonic_ns()}.stderr"
+        self._err = self._err_path.open("w")
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen([sys.executable, str(script), *argv], cwd=cwd,
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True,
+                                     stdin=subprocess.DEVNULL)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def stderr(self) -> str:
+        self._err.flush()
+        return self._err_path.read_text(errors="replace")
+
+    def wait_line(self, prefix: str, timeout: float) -> str:
+        """The first stdout line starting with ``prefix`` (already printed or to come)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    if line.startswith(prefix):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._reader.is_alive():
+                    raise AssertionError(f"no line {prefix!r} within {timeout} s (exit "
+                                         f"{self.proc.poll()}); stderr: {self.stderr[-2000:]}")
+                self._cond.wait(min(left, 1.0))
+
+    def wait_exit(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return rc
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._reader.join(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._err.close()

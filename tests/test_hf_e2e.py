@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-from swarmproc import SwarmProc
+from swarmproc import ScriptProc, SwarmProc
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow, pytest.mark.e2e]
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py"
@@ -28,27 +27,12 @@ def test_an_hf_model_trains_with_three_peers_built_from_its_card(tmp_path: Path)
                           timeout=600)
     assert made.returncode == 0, made.stderr[-2000:]
     assert "a 25M Qwen3 with the shipped tokenizer" in made.stdout
-    err = (tmp_path / "trainer.stderr").open("w")
-    trainer = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), "--model-dir", str(model), "--steps", str(STEPS),
-         "--min-peers", "3", "--listen", "/ip4/127.0.0.1/tcp/0", "--linger", "60"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True, stdin=subprocess.DEVNULL)
-    lines: list[str] = []
-    joined = threading.Event()
-
-    def read() -> None:
-        assert trainer.stdout is not None
-        for line in trainer.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("peers join with:"):
-                joined.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    trainer = ScriptProc(EXAMPLE, ["--model-dir", str(model), "--steps", str(STEPS),
+                                   "--min-peers", "3", "--listen", "/ip4/127.0.0.1/tcp/0",
+                                   "--linger", "60"], tmp_path)
     peers: list[SwarmProc] = []
     try:
-        assert joined.wait(300), (tmp_path / "trainer.stderr").read_text()[-2000:]
-        join = next(x for x in lines if x.startswith("peers join with: swarm "))
+        join = trainer.wait_line("peers join with: swarm ", 300)
         argv = join.removeprefix("peers join with: swarm ").split()
         for i in range(3):
             extra = ["--base-weights", str(model)] if i == 0 else []
@@ -62,18 +46,12 @@ def test_an_hf_model_trains_with_three_peers_built_from_its_card(tmp_path: Path)
         for p in peers:
             p.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= STEPS, 600,
                        f"verified {STEPS}")
-        assert trainer.wait(300) == 0, (tmp_path / "trainer.stderr").read_text()[-2000:]
-        reader.join(10)
+        assert trainer.wait_exit(300) == 0, trainer.stderr[-2000:]
     finally:
         for p in peers:
             p.stop()
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait(10)
-        reader.join(10)
-        assert trainer.stdout is not None
-        trainer.stdout.close()
-        err.close()
+        trainer.stop()
+    lines = trainer.lines
     for i, p in enumerate(peers):
         got = {(e["version"], e["kind"]) for e in p.of("verified")}
         assert {v for v, _ in got} >= set(range(STEPS + 1)), (p.name, got)
