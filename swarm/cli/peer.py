@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,9 @@ async def _main(args: argparse.Namespace) -> int:
     from swarm.roles.peer import PeerConfig, RolloutPeer
 
     torch.set_num_threads(1)
+    if args.engine == "vllm":
+        # vLLM logs to stdout by default: keep stdout for this command's lines (and JSON).
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     identity = load_identity(args)
     if identity.peer_id == args.trainer:
         raise UsageError("--trainer is this peer's own id (its key is the trainer's?)")
