@@ -26,9 +26,9 @@ from swarm.errors import (
 )
 
 if TYPE_CHECKING:
-    from swarm.content.card import run_card
     from swarm.demo.model import inference_state
     from swarm.engines import RolloutEngine
+    from swarm.engines.hf_model import run_card
     from swarm.engines.torch_engine import TorchEngine
     from swarm.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
     from swarm.identity import Identity
@@ -73,7 +73,7 @@ _LAZY: dict[str, str] = {
     "LeaseConfig": "swarm.protocol.leases",
     # the state a trainer publishes
     "inference_state": "swarm.demo.model",
-    "run_card": "swarm.content.card",
+    "run_card": "swarm.engines.hf_model",
 }
 
 __all__ = [

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.content.card import RunCard, SignedCard, card_files, model_config_json, stop_ids_of
+from swarm.content.card import RunCard, SignedCard, card_files, stop_ids_of
 from swarm.delta.state import layout_of, state_root_of
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.hf_model import (
@@ -15,6 +15,7 @@ from swarm.engines.hf_model import (
     check_card,
     check_layout,
     load_base_weights,
+    model_config_json,
 )
 from swarm.engines.hf_model import (
     build_model as build_from_card,

@@ -404,8 +404,8 @@ def _workdir(keep: Path | None) -> Iterator[Path]:
 
 async def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from swarm.bench.workload import PRESETS, Workload, WorkloadConfig
-    from swarm.content.card import run_card
     from swarm.demo.model import inference_state
+    from swarm.engines.hf_model import run_card
     from swarm.identity import Identity
     from swarm.net.dataplane import DataPlaneConfig
     from swarm.net.node import Libp2pNode, NodeConfig

@@ -194,7 +194,7 @@ def _run_card(args: argparse.Namespace, identity: Identity, node: TrainerNode, m
               dtype: str) -> SignedCard:
     """The run's card: the one kept in DATA_DIR, else made from version 0 and kept."""
     from swarm.cli._card import keep_card, load_card
-    from swarm.content.card import run_card
+    from swarm.engines.hf_model import run_card
 
     kept = load_card(args.data_dir, trainer=identity.public_key, run=args.run)
     if kept is not None:

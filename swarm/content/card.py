@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from swarm.content.ids import DIGEST_LEN, chunk_id
-from swarm.content.manifest import Manifest, SignedManifest
 from swarm.errors import DecodeError, IntegrityError, LocalProtocolError, SignatureError
 from swarm.identity import (
     PUBLIC_KEY_LEN,
@@ -258,31 +257,3 @@ def _decode_body(body: bytes) -> RunCard:
         raise DecodeError("card: body is not canonical")
     return card
 
-
-def card_for(run: str, *, config: str, files: tuple[tuple[str, bytes], ...], dtype: str,
-             version0: Manifest, stop_token_ids: tuple[int, ...] = ()) -> RunCard:
-    """The card of a run whose version 0 is ``version0`` (its layout and root) and whose
-    deltas use this build's codec."""
-    from swarm.delta.codec import CODEC_NAME
-
-    return RunCard(run, config, tuple(sorted(files)), dtype, version0.layout_digest,
-                   CODEC_NAME, version0.target_root, version0.piece_size, stop_token_ids)
-
-
-def model_config_json(model: Any) -> str:
-    """A transformers model's ``config.json`` text, naming its class as the architecture."""
-    config = json.loads(model.config.to_json_string())
-    config["architectures"] = [type(model).__name__]
-    return json.dumps(config, indent=2, sort_keys=True)
-
-
-def run_card(identity: Identity, run: str, model: Any, version0: SignedManifest, *,
-             dtype: str = "bfloat16", model_dir: Path | None = None) -> SignedCard:
-    """The signed card of a run training the transformers ``model``, whose version 0 is
-    ``version0``; ``model_dir`` (an HF model dir) adds its tokenizer and generation files
-    and their eos ids. Serve it with ``Libp2pNode.serve_card(card.encode())``."""
-    files = card_files(model_dir) if model_dir is not None else ()
-    config = model_config_json(model)
-    stop = stop_ids_of(json.loads(config), dict(files))
-    return card_for(run, config=config, files=files, dtype=dtype,
-                    version0=version0.manifest, stop_token_ids=stop).sign(identity)

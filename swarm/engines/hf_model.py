@@ -9,6 +9,7 @@ checkpoint the volunteer already has (:func:`load_base_weights`).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,12 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm.content.card import RunCard
+from swarm.content.card import RunCard, SignedCard, card_files, stop_ids_of
+from swarm.content.manifest import Manifest, SignedManifest
+from swarm.delta.codec import CODEC_NAME
 from swarm.delta.state import layout_of
 from swarm.errors import SwarmError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
+
+    from swarm.identity import Identity
 
 ENGINES = ("torch", "vllm")
 #: Bytes of host memory a peer needs per byte of the state: its canonical copy, the
@@ -58,8 +63,6 @@ def check_card(card: RunCard, engine: str = "torch", *,
     :raises CardUnsupported: an unknown architecture for the engine, a missing extra, or
         not enough memory (``available`` bytes; default: this machine's MemAvailable).
     """
-    from swarm.delta.codec import CODEC_NAME
-
     if engine not in ENGINES:
         raise CardUnsupported(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
     if card.codec != CODEC_NAME:
@@ -199,3 +202,30 @@ def card_summary(card: RunCard) -> dict[str, object]:
                                           "intermediate_size") if k in config},
         "signer": card.signer_peer_id,
     }
+
+
+def card_for(run: str, *, config: str, files: tuple[tuple[str, bytes], ...], dtype: str,
+             version0: Manifest, stop_token_ids: tuple[int, ...] = ()) -> RunCard:
+    """The card of a run whose version 0 is ``version0`` (its layout and root) and whose
+    deltas use this build's codec."""
+    return RunCard(run, config, tuple(sorted(files)), dtype, version0.layout_digest,
+                   CODEC_NAME, version0.target_root, version0.piece_size, stop_token_ids)
+
+
+def model_config_json(model: Any) -> str:
+    """A transformers model's ``config.json`` text, naming its class as the architecture."""
+    config = json.loads(model.config.to_json_string())
+    config["architectures"] = [type(model).__name__]
+    return json.dumps(config, indent=2, sort_keys=True)
+
+
+def run_card(identity: Identity, run: str, model: Any, version0: SignedManifest, *,
+             dtype: str = "bfloat16", model_dir: Path | None = None) -> SignedCard:
+    """The signed card of a run training the transformers ``model``, whose version 0 is
+    ``version0``; ``model_dir`` (an HF model dir) adds its tokenizer and generation files
+    and their eos ids. Serve it with ``Libp2pNode.serve_card(card.encode())``."""
+    files = card_files(model_dir) if model_dir is not None else ()
+    config = model_config_json(model)
+    stop = stop_ids_of(json.loads(config), dict(files))
+    return card_for(run, config=config, files=files, dtype=dtype,
+                    version0=version0.manifest, stop_token_ids=stop).sign(identity)
