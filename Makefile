@@ -76,4 +76,5 @@ $(VBIN)/.xg-built: $(VBIN)/.installed $(XG_SRC)
 	touch $@
 
 test-vllm: $(VBIN)/.xg-built
-	HF_HUB_OFFLINE=1 $(VBIN)/pytest -q -m vllm tests/test_engines_vllm.py tests/test_cli_vllm.py
+	HF_HUB_OFFLINE=1 $(VBIN)/pytest -q -m vllm tests/test_engines_vllm.py tests/test_cli_vllm.py \
+		tests/test_hf_e2e.py
