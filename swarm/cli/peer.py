@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
     from swarm.roles.common import Network
     from swarm.roles.peer import RolloutPeer
     from swarm.roles.status import Reporter
+
+
+log = logging.getLogger(__name__)
 
 
 class TrainerGone(SwarmError):
@@ -141,7 +145,8 @@ async def _main(args: argparse.Namespace) -> int:
                                                      region=args.region,
                                                      want_tasks=args.tasks,
                                                      data_dir=args.data_dir,
-                                                     bootstrap=tuple(args.bootstrap),
+                                                     bootstrap=(*args.bootstrap,
+                                                                *_kept_trainer_addrs(args)),
                                                      exchange=exchange_config(args)),
                            state, engine, status=report, start=start)
         async with peer:
@@ -240,6 +245,39 @@ def _warn(report: Reporter, event: str, line: str, **fields: object) -> None:
     report.emit(event, **fields)
 
 
+TRAINER_ADDRS = "trainer.addrs"
+"""In DATA_DIR: where the trainer was last reached, redialled after a restart (the run's
+peer directory needs a gossip round or more to name it again)."""
+
+
+def _kept_trainer_addrs(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.data_dir is None:
+        return ()
+    try:
+        text = (args.data_dir / TRAINER_ADDRS).read_text()[:4096]
+    except (OSError, UnicodeDecodeError):
+        return ()
+    tail = f"/p2p/{args.trainer}"
+    return tuple(a for a in text.split()[:8] if a.startswith("/") and a.endswith(tail))
+
+
+def _keep_trainer_addrs(args: argparse.Namespace, net: Network, kept: tuple[str, ...]
+                        ) -> tuple[str, ...]:
+    meta = net.directory().get(args.trainer)
+    addrs = tuple(a for a in (meta.addrs if meta else ())
+                  if a.endswith(f"/p2p/{args.trainer}"))[:8]
+    if args.data_dir is None or not addrs or addrs == kept:
+        return kept
+    from swarm.roles.persist import write_atomic
+
+    try:
+        write_atomic(args.data_dir / TRAINER_ADDRS, ["\n".join(addrs).encode() + b"\n"])
+    except SwarmError as exc:
+        log.debug("could not keep the trainer's addresses: %s", exc)
+        return kept
+    return addrs
+
+
 async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
                  report: Reporter) -> None:
     """Say when no manifest came from the named trainer, and while the trainer is gone;
@@ -249,10 +287,13 @@ async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
     warned_manifest = False
     lost_since: float | None = start
     said_at = start
+    kept = _kept_trainer_addrs(args)
     while True:
         await asyncio.sleep(min(1.0, every / 4))
         now = time.monotonic()
         here = args.trainer in net.connected_peers()
+        if here:
+            kept = _keep_trainer_addrs(args, net, kept)
         if not warned_manifest and peer.verified == 0 and now - start >= every:
             warned_manifest = True
             if peer.version >= 0:
