@@ -17,15 +17,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 Event = dict[str, Any]
+T = TypeVar("T")
 
 
 class SwarmProc:
     """One ``swarm`` command running in the background."""
 
-    def __init__(self, name: str, argv: Sequence[str], cwd: Path) -> None:
+    def __init__(self, name: str, argv: Sequence[str], cwd: Path,
+                 command: Sequence[str] | None = None) -> None:
+        """``command``: run this instead of ``swarm ARGV --status-json`` (a script)."""
         self.name = name
         self.argv = list(argv)
         self.events: list[Event] = []
@@ -34,9 +37,12 @@ class SwarmProc:
         self._stderr_path = cwd / f"{name}.{time.monotonic_ns()}.stderr"
         self._stderr = self._stderr_path.open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if command is None:
+            command = [sys.executable, "-m", "swarm",
+                       *(["-v"] * int(os.environ.get("SWARM_TEST_V", "0"))), *self.argv,
+                       "--status-json"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "swarm", *(["-v"] * int(os.environ.get("SWARM_TEST_V", "0"))),
-             *self.argv, "--status-json"], cwd=cwd,
+            list(command), cwd=cwd,
             stdout=subprocess.PIPE, stderr=self._stderr, stdin=subprocess.DEVNULL, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -63,20 +69,33 @@ class SwarmProc:
         with self._cond:
             return [e for e in self.events if e.get("event") == event]
 
+    @classmethod
+    def script(cls, script: Path, argv: Sequence[str], cwd: Path) -> SwarmProc:
+        """A Python script run as a user runs it (``python SCRIPT ARGV``)."""
+        return cls(script.stem, argv, cwd, [sys.executable, str(script), *argv])
+
     def wait_for(self, pred: Callable[[Event], bool], timeout: float, what: str = "") -> Event:
         """The first event (already seen or to come) for which ``pred`` holds."""
+        return self._wait(self.events, pred, timeout, f"event {what or pred}")
+
+    def wait_line(self, prefix: str, timeout: float) -> str:
+        """The first stdout line (already printed or to come) that starts with ``prefix``."""
+        return self._wait(self.stdout_lines, lambda x: x.startswith(prefix), timeout,
+                          f"line {prefix!r}")
+
+    def _wait(self, items: list[T], pred: Callable[[T], bool], timeout: float, what: str) -> T:
         deadline = time.monotonic() + timeout
         seen = 0
         with self._cond:
             while True:
-                for ev in self.events[seen:]:
-                    if pred(ev):
-                        return ev
-                seen = len(self.events)
+                for item in items[seen:]:
+                    if pred(item):
+                        return item
+                seen = len(items)
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
                     raise AssertionError(
-                        f"{self.name}: no event {what or pred} within {timeout} s "
+                        f"{self.name}: no {what} within {timeout} s "
                         f"(exit {self.proc.poll()}); last events: {self.events[-5:]}; "
                         f"stderr tail: {self.stderr[-2000:]}")
                 self._cond.wait(min(left, 1.0))
@@ -167,60 +186,3 @@ def verified(p: SwarmProc) -> list[int]:
 def step_of(ev: Event) -> int:
     return int(ev["step"])
 
-
-class ScriptProc:
-    """A Python script run as a user runs it (``python SCRIPT ...``), its stdout read line
-    by line as it comes; stderr goes to a file."""
-
-    def __init__(self, script: Path, argv: Sequence[str], cwd: Path) -> None:
-        self._err_path = cwd / f"{script.stem}.{time.monotonic_ns()}.stderr"
-        self._err = self._err_path.open("w")
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self.proc = subprocess.Popen([sys.executable, str(script), *argv], cwd=cwd,
-                                     stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                     stdin=subprocess.DEVNULL)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    @property
-    def stderr(self) -> str:
-        self._err.flush()
-        return self._err_path.read_text(errors="replace")
-
-    def wait_line(self, prefix: str, timeout: float) -> str:
-        """The first stdout line starting with ``prefix`` (already printed or to come)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return line
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._reader.is_alive():
-                    raise AssertionError(f"no line {prefix!r} within {timeout} s (exit "
-                                         f"{self.proc.poll()}); stderr: {self.stderr[-2000:]}")
-                self._cond.wait(min(left, 1.0))
-
-    def wait_exit(self, timeout: float) -> int:
-        rc = self.proc.wait(timeout)
-        self._reader.join(timeout)
-        return rc
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._reader.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._err.close()

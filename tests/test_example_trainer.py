@@ -8,15 +8,15 @@ import re
 from pathlib import Path
 
 import pytest
-from swarmproc import ScriptProc, SwarmProc
+from swarmproc import SwarmProc
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "trainer_loop.py"
 
 
 def test_the_example_trainer_is_followed_by_a_pasted_swarm_peer(tmp_path: Path) -> None:
-    trainer = ScriptProc(EXAMPLE, ["--steps", "2", "--listen", "/ip4/127.0.0.1/tcp/0",
-                                   "--linger", "30"], tmp_path)
+    trainer = SwarmProc.script(EXAMPLE, ["--steps", "2", "--listen", "/ip4/127.0.0.1/tcp/0",
+                                         "--linger", "30"], tmp_path)
     peer = None
     try:
         command = trainer.wait_line("peers join with:", 120)
@@ -30,8 +30,9 @@ def test_the_example_trainer_is_followed_by_a_pasted_swarm_peer(tmp_path: Path) 
         peer.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= 2, 240,
                       "verified 2")
         assert trainer.wait_exit(120) == 0
-        assert any(x.startswith("step 2: delta") for x in trainer.lines), trainer.lines
-        assert trainer.lines[-1] == "last version reached 1 of 1 peers"
+        lines = trainer.stdout_lines
+        assert any(x.startswith("step 2: delta") for x in lines), lines
+        assert lines[-1] == "last version reached 1 of 1 peers"
     finally:
         if peer is not None:
             peer.stop()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from swarmproc import ScriptProc, SwarmProc
+from swarmproc import SwarmProc
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py"
@@ -34,9 +34,9 @@ def test_an_hf_model_trains_with_three_peers_built_from_its_card(tmp_path: Path,
                           timeout=600)
     assert made.returncode == 0, made.stderr[-2000:]
     assert "a 25M Qwen3 with the shipped tokenizer" in made.stdout
-    trainer = ScriptProc(EXAMPLE, ["--model-dir", str(model), "--steps", str(STEPS),
-                                   "--min-peers", "3", "--listen", "/ip4/127.0.0.1/tcp/0",
-                                   "--linger", "60"], tmp_path)
+    trainer = SwarmProc.script(EXAMPLE, ["--model-dir", str(model), "--steps", str(STEPS),
+                                         "--min-peers", "3", "--listen", "/ip4/127.0.0.1/tcp/0",
+                                         "--linger", "60"], tmp_path)
     peers: list[SwarmProc] = []
     try:
         join = trainer.wait_line("peers join with: swarm ", 300)
@@ -60,7 +60,7 @@ def test_an_hf_model_trains_with_three_peers_built_from_its_card(tmp_path: Path,
         for p in peers:
             p.stop()
         trainer.stop()
-    lines = trainer.lines
+    lines = trainer.stdout_lines
     if third == "vllm":
         checks = peers[2].of("engine_checked")
         assert len(checks) >= 2  # at start, and after the keyframe and the deltas
