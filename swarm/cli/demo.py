@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarm.engines import CHEAT_STRATEGIES
 from swarm.errors import SwarmError
 
 
@@ -46,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chaos: start one more peer when the trainer reaches STEP")
     p.add_argument("--corrupt-peer", action="store_true",
                    help="chaos: add a peer that serves corrupt chunks")
+    p.add_argument("--cheater", choices=CHEAT_STRATEGIES, default=None, metavar="STRATEGY",
+                   help="chaos: add a peer returning bad completions the trainer's checks "
+                        f"must refuse ({', '.join(CHEAT_STRATEGIES)})")
     p.add_argument("--bootstrap-node", action="store_true",
                    help="start a `swarm bootstrap` node that the trainer and peers join "
                         "through (default: peers dial the trainer directly)")
@@ -59,6 +63,7 @@ class PeerView:
     region: str
     proc: asyncio.subprocess.Process
     corrupt: bool = False
+    cheater: bool = False
     peer_id: str = ""
     version: int = -1
     verified: int = 0
@@ -71,6 +76,10 @@ class PeerView:
     """Per version: seconds from its manifest to a verified canonical state."""
     installed_s: dict[int, float] = field(default_factory=dict)
     """Per version: seconds until the engine ran it (waits for a rollout boundary)."""
+
+    @property
+    def honest(self) -> bool:
+        return not (self.corrupt or self.cheater)
 
 
 @dataclass
@@ -85,6 +94,10 @@ class DemoState:
     banned: set[str] = field(default_factory=set)
     lease_stats: dict[str, Any] = field(default_factory=dict)
     egress: int = 0
+    checks: dict[str, Any] = field(default_factory=dict)
+    """The trainer's checks of results: per peer accepted and rejected, banned peers."""
+    rejections: list[dict[str, Any]] = field(default_factory=list)
+    cheat_strategy: str = ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,9 +128,10 @@ async def _main(args: argparse.Namespace) -> int:
     base: Path = args.dir
     base.mkdir(parents=True, exist_ok=True)
     # Nodes resume from their data directories; a demo always starts from scratch.
-    for old in ("trainer", "corrupt", "bootstrap", *(p.name for p in base.glob("peer-*"))):
+    for old in ("trainer", "corrupt", "cheater", "bootstrap",
+                *(p.name for p in base.glob("peer-*"))):
         shutil.rmtree(base / old, ignore_errors=True)
-    st = DemoState()
+    st = DemoState(cheat_strategy=args.cheater or "")
     events = asyncio.Queue[dict[str, Any]]()
     procs: list[asyncio.subprocess.Process] = []
     readers: list[asyncio.Task[None]] = []
@@ -150,15 +164,16 @@ async def _main(args: argparse.Namespace) -> int:
     trainer = await start(_cmd(
         "trainer", "--data-dir", str(base / "trainer"), "--status-json",
         "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-        "--lr", str(args.lr), "--min-peers", str(args.peers + args.corrupt_peer),
+        "--lr", str(args.lr),
+        "--min-peers", str(args.peers + args.corrupt_peer + (args.cheater is not None)),
         "--linger", "600",
         "--region", "r0", "--uplink-mbps", str(args.trainer_uplink_mbps),
         "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo", *join), "trainer")
     n_peers = 0
 
-    async def add_peer(corrupt: bool = False) -> None:
+    async def add_peer(corrupt: bool = False, cheat: str | None = None) -> None:
         nonlocal n_peers
-        name = f"peer-{n_peers}" if not corrupt else "corrupt"
+        name = "corrupt" if corrupt else "cheater" if cheat else f"peer-{n_peers}"
         region = f"r{n_peers % args.regions}"
         n_peers += 1
         cmd = _cmd("peer", "--data-dir", str(base / name), "--status-json", "--name", name,
@@ -168,7 +183,10 @@ async def _main(args: argparse.Namespace) -> int:
                    "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo")
         if corrupt:
             cmd.append("--corrupt")
-        st.peers[name] = PeerView(name, region, await start(cmd, name), corrupt=corrupt)
+        if cheat:
+            cmd += ["--chaos-cheat", cheat]
+        st.peers[name] = PeerView(name, region, await start(cmd, name), corrupt=corrupt,
+                                  cheater=cheat is not None)
 
     display = _Display(args.quiet)
     ok = False
@@ -183,6 +201,8 @@ async def _main(args: argparse.Namespace) -> int:
                 await add_peer()
             if args.corrupt_peer:
                 await add_peer(corrupt=True)
+            if args.cheater:
+                await add_peer(cheat=args.cheater)
             while True:
                 try:
                     ev = await asyncio.wait_for(events.get(), timeout=1.0)
@@ -196,7 +216,7 @@ async def _main(args: argparse.Namespace) -> int:
                 if step_reached is not None:
                     if args.kill_peer_at == step_reached:
                         victim = next((p for p in st.peers.values()
-                                       if not p.killed and not p.corrupt), None)
+                                       if not p.killed and p.honest), None)
                         if victim is not None:
                             victim.proc.send_signal(signal.SIGKILL)
                             victim.killed = True
@@ -207,7 +227,7 @@ async def _main(args: argparse.Namespace) -> int:
                     if args.quiet:
                         display.step_line(st.steps[-1])
                 display.render(st, time.perf_counter() - t_start)
-                live = [p for p in st.peers.values() if not p.killed and not p.corrupt]
+                live = [p for p in st.peers.values() if not p.killed and p.honest]
                 if st.done and all(p.version >= st.final_step for p in live):
                     ok = True
                     break
@@ -247,11 +267,15 @@ def _apply(st: DemoState, ev: dict[str, Any]) -> int | None:
             st.final_step = int(ev["step"])
             st.lease_stats = dict(ev.get("leases", {}))
             st.egress = int(ev.get("egress", 0))
+            st.checks = dict(ev.get("checks", {}))
             return st.final_step
+        elif kind == "rejected":
+            st.rejections.append(ev)
         elif kind == "done":
             st.done = True
             st.lease_stats = dict(ev.get("leases", {}))
             st.egress = int(ev.get("egress", 0))
+            st.checks = dict(ev.get("checks", {}))
         return None
     peer = st.peers.get(node)
     if peer is None:
@@ -359,20 +383,24 @@ def _summary(st: DemoState, elapsed: float) -> bool:
         mean = sum(syncs) / len(syncs) if syncs else float("nan")
         inst = [v for k, v in p.installed_s.items() if k > 0]
         mean_inst = sum(inst) / len(inst) if inst else float("nan")
-        state = "killed" if p.killed else ("corrupt (chaos)" if p.corrupt else "ok")
-        if not p.killed and not p.corrupt:
+        state = ("killed" if p.killed else "corrupt (chaos)" if p.corrupt
+                 else "cheater (chaos)" if p.cheater else "ok")
+        if not p.killed and p.honest:
             all_ok = all_ok and p.failures == 0 and p.version >= st.final_step
         first = min(p.sync_s, default=0)
         held = f"{p.verified} of {expected - first}" + (f" from v{first}" if first else "")
         print(f"{p.name:<10}{p.region:<8}{held:>18}{p.failures:>7}"
               f"{p.leases:>7}{mean:>12.2f}{mean_inst:>12.2f}  {state}")
-    honest = [p for p in st.peers.values() if not p.killed and not p.corrupt]
+    honest = [p for p in st.peers.values() if not p.killed and p.honest]
     print(f"bit-exact: {sum(p.verified for p in honest)} version installs verified against "
           f"signed roots on {len(honest)} live peers; "
           f"{sum(p.failures for p in st.peers.values())} failures")
     corrupt_ids = {p.peer_id for p in st.peers.values() if p.corrupt}
     if corrupt_ids:
         print(f"corrupt peer banned by others: {'yes' if corrupt_ids & st.banned else 'no'}")
+    cheat, cheat_ok = _cheater_line(st)
+    if cheat:
+        print(cheat)
     if st.lease_stats:
         ls = st.lease_stats
         print(f"leases: {ls.get('leases_issued', 0)} issued, {ls.get('leases_expired', 0)} "
@@ -380,9 +408,33 @@ def _summary(st: DemoState, elapsed: float) -> bool:
               f"{ls.get('tasks_completed', 0)} tasks completed; refused "
               f"{ls.get('refused', {})}")
     learned = len(rewards) >= 2 and _window(rewards, False) > _window(rewards, True)
-    print(f"result: {'PASS' if all_ok and learned else 'FAIL'} (every live peer verified "
-          f"every version: {all_ok}; reward rose: {learned})")
-    return all_ok and learned
+    checked = "" if not cheat else f"; the checks held: {cheat_ok}"
+    ok = all_ok and learned and cheat_ok
+    print(f"result: {'PASS' if ok else 'FAIL'} (every live peer verified "
+          f"every version: {all_ok}; reward rose: {learned}{checked})")
+    return ok
+
+
+def _cheater_line(st: DemoState) -> tuple[str, bool]:
+    """``cheater: N results rejected, M accepted, banned after K`` (or never banned), and
+    whether the checks held: nothing of the cheater's counted, nothing honest refused."""
+    ids = {p.peer_id for p in st.peers.values() if p.cheater}
+    if not ids:
+        return "", True
+    mine = [r for r in st.rejections if r.get("peer") in ids]
+    by_version = {int(v): int(n) for peer, by in st.checks.get("accepted", {}).items()
+                  if peer in ids for v, n in by.items()}
+    # A one-version-late engine is the right one at version 0 (there is none before it).
+    honest_v0 = by_version.pop(0, 0) if st.cheat_strategy == "stale" else 0
+    accepted = sum(by_version.values())
+    at = next((i + 1 for i, r in enumerate(mine) if r.get("banned")), None)
+    ban = f"banned after {at}" if at else "not banned"
+    if honest_v0:
+        ban += f" ({honest_v0} accepted at version 0, where its engine was right)"
+    honest = sum(int(n) for peer, n in st.checks.get("rejected", {}).items()
+                 if peer not in ids)
+    return (f"cheater: {len(mine)} results rejected, {accepted} accepted, {ban}; honest "
+            f"peers' results rejected: {honest}"), accepted == 0 and honest == 0
 
 
 def _summary_json(st: DemoState, elapsed: float) -> dict[str, Any]:
@@ -393,7 +445,7 @@ def _summary_json(st: DemoState, elapsed: float) -> dict[str, Any]:
                            "corrupt": p.corrupt, "sync_s": p.sync_s,
                            "installed_s": p.installed_s}
                   for p in st.peers.values()},
-        "lease_stats": st.lease_stats, "egress": st.egress,
+        "lease_stats": st.lease_stats, "egress": st.egress, "checks": st.checks,
     }
 
 

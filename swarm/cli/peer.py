@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -29,6 +30,7 @@ from swarm.cli._node import (
     shaped,
     stop_on_signals,
 )
+from swarm.engines import CHEAT_STRATEGIES
 from swarm.errors import SwarmError
 from swarm.protocol.exchange import ExchangeConfig
 
@@ -82,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chaos-liar", action="store_true",
                    help="chaos: announce every chunk and serve none (other peers must time "
                         "this one out and drop it)")
+    p.add_argument("--chaos-cheat", choices=CHEAT_STRATEGIES, default=None, metavar="STRATEGY",
+                   help="chaos: return completions the trainer's checks must refuse: "
+                        f"{', '.join(CHEAT_STRATEGIES)} (--engine torch)")
 
 
 def exchange_config(args: argparse.Namespace) -> ExchangeConfig:
@@ -197,6 +202,11 @@ def _build(card: RunCard, args: argparse.Namespace
         from swarm.engines.torch_engine import TorchEngine
 
         engine = TorchEngine(cast(Any, model).to(torch_dtype(card)))
+    if args.chaos_cheat is not None:
+        from swarm.engines.cheater import CheatingEngine
+
+        vocab = int(json.loads(card.config).get("vocab_size", 0)) or 1
+        engine = CheatingEngine(engine, args.chaos_cheat, vocab_size=vocab)
     return state, engine, start
 
 

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chaos-kill-mid-publish", type=int, default=None, metavar="STEP",
                    help="chaos: SIGKILL this process once step STEP is written to DATA_DIR, "
                         "before it is announced (to test restarts)")
+    p.add_argument("--no-rollout-checks", action="store_true",
+                   help="count results without recomputing their log-probs (trusted peers "
+                        "only; the weight-root and copy checks stay on)")
     p.add_argument("--addr-file", type=Path, default=None,
                    help="write this node's full multiaddr to FILE once listening")
 
@@ -89,6 +92,7 @@ async def _main(args: argparse.Namespace) -> int:
         train_step,
     )
     from swarm.demo.model import build_model, inference_state
+    from swarm.engines.rollout_check import TOLERANCES, LogprobCheck
     from swarm.net.node import Libp2pNode
     from swarm.protocol.leases import Sampling
     from swarm.roles.trainer import TrainerConfig, TrainerNode
@@ -101,11 +105,16 @@ async def _main(args: argparse.Namespace) -> int:
     net_cfg = node_config(args, bootstrap=tuple(args.bootstrap))
     master = build_model(cfg.model)
     optimizer = make_optimizer(master, cfg.lr, cfg.weight_decay, cfg.adam_eps)
+    # max_staleness 1: results use the latest version or the one before; one more is kept
+    # for results checked while the next version is being published
+    policies = Policies(cfg, keep=3)
+    checks = [] if args.no_rollout_checks else [
+        LogprobCheck(policies.model_for, TOLERANCES[cfg.inference_dtype])]
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
             shaped(raw, args) as net, TrainerNode(identity, net, TrainerConfig(
             run=args.run, data_dir=args.data_dir, region=args.region,
             piece_size=1 << 16, chunk_target=args.chunk_kib << 10,
-            keep_versions=args.keep_versions)) as node:
+            keep_versions=args.keep_versions), checks=checks) as node:
         addr = net.listen_addresses[0]
         if args.addr_file is not None:
             tmp = args.addr_file.with_suffix(".tmp")
@@ -120,9 +129,11 @@ async def _main(args: argparse.Namespace) -> int:
             ckpt_step = _load_master(ckpt_path, master, optimizer, node.step)
             if ckpt_step == node.step + 1:  # trained, not yet published when it stopped
                 await node.publish(inference_state(master, cfg.inference_dtype))
+            policies.add(node.step, inference_state(master, cfg.inference_dtype))
             report.emit("resumed", step=node.step, master=ckpt_step)
         else:
-            pub = await node.publish(inference_state(master, cfg.inference_dtype))
+            pub = await node.publish(policies.add(0, inference_state(master,
+                                                                    cfg.inference_dtype)))
             report.emit("published", step=0, kind="keyframe", bytes=pub.payload_bytes,
                         dense=pub.dense_bytes, ratio=round(pub.ratio, 2))
         card = _run_card(args, identity, node, master, cfg.inference_dtype)
@@ -130,6 +141,7 @@ async def _main(args: argparse.Namespace) -> int:
         report.emit("card", id=card.id.hex(), model_type=card.card.model_type,
                     bytes=len(card.encode()))
         first = node.step + 1
+        rejected = Rejections(node)
         if first <= cfg.steps and len(_rollout_peers(net, args)) < args.min_peers:
             report.say(f"waiting for {args.min_peers} peer(s) (at most {args.step_timeout:g} s)")
         async with asyncio.timeout(args.step_timeout):
@@ -147,6 +159,7 @@ async def _main(args: argparse.Namespace) -> int:
             prompt_of = {t.task_id: tuple(t.prompt_tokens) for t in tasks}
             accepted = await node.collect(len(tasks), timeout=args.step_timeout)
             t1 = time.perf_counter()
+            rejected.count(accepted)
             by_task = {r.task_id: r for a in accepted for r in a.results
                        if r.task_id in prompt_of}
             versions = sorted({a.version for a in accepted})
@@ -161,9 +174,12 @@ async def _main(args: argparse.Namespace) -> int:
                 max_grad_norm=cfg.max_grad_norm)
             await asyncio.to_thread(_save_master, ckpt_path, master, optimizer, step)
             t2 = time.perf_counter()
-            pub = await node.publish(inference_state(master, cfg.inference_dtype),
-                                     persisted=_chaos_kill(args.chaos_kill_mid_publish))
+            pub = await node.publish(policies.add(step, inference_state(
+                master, cfg.inference_dtype)), persisted=_chaos_kill(args.chaos_kill_mid_publish))
             holders = {a.holder for a in accepted}
+            for rej in rejected.news():
+                report.emit("rejected", peer=rej.holder, version=rej.version,
+                            tasks=len(rej.task_ids), reason=rej.reason, banned=rej.banned)
             report.emit(
                 "step", step=step, reward=round(metrics.reward_mean, 4),
                 solved=round(solved / max(1, len(groups) * cfg.group_size), 4),
@@ -172,9 +188,9 @@ async def _main(args: argparse.Namespace) -> int:
                 dense=pub.dense_bytes, ratio=round(pub.ratio, 2),
                 chunks=len(pub.manifest.manifest.chunks), versions_used=versions,
                 peers=len(holders), egress=node.driver.exchange.bytes_up,
-                leases=node.leases.stats.as_dict())
+                leases=node.leases.stats.as_dict(), checks=rejected.summary())
         report.emit("done", steps=cfg.steps, leases=node.leases.stats.as_dict(),
-                    egress=node.driver.exchange.bytes_up)
+                    egress=node.driver.exchange.bytes_up, checks=rejected.summary())
         if not args.status_json and not args.quiet:
             print("leases: " + json.dumps(node.leases.stats.as_dict()), flush=True)
         # Keep seeding so the last version reaches every peer; say when it has.
@@ -188,6 +204,67 @@ async def _main(args: argparse.Namespace) -> int:
                    f"peer(s){short} ({took:.1f} s); seeding until --linger ends")
         await asyncio.sleep(max(0.0, args.linger - took))
     return 0
+
+
+class Policies:
+    """The inference-dtype policy of the last ``keep`` published versions, as the peers
+    run it: what the log-prob check recomputes with."""
+
+    def __init__(self, cfg: Any, keep: int) -> None:
+        self.cfg = cfg
+        self.keep = keep
+        self._models: dict[int, Any] = {}
+
+    def add(self, version: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Keep ``version``'s ``state`` (returned, for publishing); forget the oldest."""
+        import torch
+
+        from swarm.demo.model import model_from_state
+
+        dtype = next(iter(state.values())).dtype if state else torch.float32
+        model = model_from_state(self.cfg.model, state, dtype)
+        self._models[version] = model.eval()
+        for old in sorted(self._models)[:-self.keep]:
+            del self._models[old]
+        return state
+
+    def model_for(self, version: int) -> Any:
+        return self._models.get(version)
+
+
+class Rejections:
+    """What the trainer's checks refused, per peer: new ones for the step line, and the
+    totals for the summary (results rejected, tasks re-issued, banned peers)."""
+
+    def __init__(self, node: TrainerNode) -> None:
+        self.node = node
+        self._seen = node.leases.stats.results_rejected
+        self.accepted: dict[str, dict[int, int]] = {}
+
+    def count(self, accepted: list[Any]) -> None:
+        """Tally the results a step used, by peer and version."""
+        for a in accepted:
+            mine = self.accepted.setdefault(a.holder, {})
+            mine[a.version] = mine.get(a.version, 0) + 1
+
+    def news(self) -> list[Any]:
+        """Rejections since the last call (at most the node's bounded list of them)."""
+        total = self.node.leases.stats.results_rejected
+        fresh = list(self.node.rejected)[-(total - self._seen):] if total > self._seen else []
+        self._seen = total
+        return fresh
+
+    def summary(self) -> dict[str, Any]:
+        by_peer: dict[str, int] = {}
+        for rej in self.node.rejected:
+            by_peer[rej.holder] = by_peer.get(rej.holder, 0) + 1
+        scores = self.node.leases.scores
+        return {"checked": self.node.results_checked,
+                "check_s": round(self.node.check_seconds, 3),
+                "accepted": {p: {str(v): n for v, n in sorted(by.items())}
+                             for p, by in sorted(self.accepted.items())},
+                "rejected": by_peer,
+                "banned": sorted(p for p in by_peer if scores.banned(p))}
 
 
 def _run_card(args: argparse.Namespace, identity: Identity, node: TrainerNode, model: Any,

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "CHEAT_STRATEGIES",
     "Completion",
     "EngineUpdateError",
     "RolloutEngine",
@@ -42,6 +43,10 @@ __all__ = [
 # Inputs at least this large are hashed with blake3's worker threads (it releases the GIL).
 _THREADED_MIN = 1 << 22
 _TENSOR_DOMAIN = b"swarm/engine/tensor/v1\0"
+
+
+#: How :class:`swarm.engines.cheater.CheatingEngine` can cheat (``swarm peer --chaos-cheat``).
+CHEAT_STRATEGIES = ("random", "fake-logprobs", "stale", "other-model", "copy")
 
 
 class EngineUpdateError(LocalProtocolError):

@@ -68,7 +68,7 @@ from swarm.protocol.follow import (
     Install,
     Stop,
 )
-from swarm.protocol.leases import PeerLeases
+from swarm.protocol.leases import NO_ROOT, PeerLeases
 from swarm.roles import statelog, sync
 from swarm.roles.common import Clock, Network, NodeBase
 from swarm.roles.discovery import Discovery, DiscoveryConfig
@@ -166,7 +166,8 @@ class RolloutPeer(NodeBase):
         self.work = LeasedWork(
             self.leases, self.mux, engine, self._engine_lock,
             WorkConfig(config.trainer, config.want_tasks, config.claim_retry), self.clock,
-            version=lambda: self.version, status=self._status, on_stale=self._stale)
+            version=lambda: (self.version, self.root or NO_ROOT), status=self._status,
+            on_stale=self._stale)
         self.discovery = Discovery(
             net, DiscoveryConfig(config.trainer, config.bootstrap, config.max_neighbours,
                                  config.discover_interval, config.reconnect_min,

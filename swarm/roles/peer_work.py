@@ -21,6 +21,7 @@ from swarm.protocol.leases import (
     PeerLeases,
     Reason,
     TaskResult,
+    Verdict,
     decode_message,
 )
 from swarm.protocol.leases import Message as LeaseMessage
@@ -46,7 +47,7 @@ class LeasedWork:
 
     def __init__(self, leases: PeerLeases, mux: Mux, engine: RolloutEngine,
                  engine_lock: asyncio.Lock, config: WorkConfig, clock: Clock,
-                 version: Callable[[], int], status: StatusFn,
+                 version: Callable[[], tuple[int, bytes]], status: StatusFn,
                  on_stale: Callable[[], None]) -> None:
         self.leases = leases
         self.mux = mux
@@ -80,6 +81,11 @@ class LeasedWork:
                 await self._inbox.put(decoded)
             elif verdict is Reason.STALE_VERSION:
                 self._on_stale()  # the trainer has a newer version than ours
+            elif verdict is Reason.REJECTED and isinstance(decoded, Verdict):
+                # the trainer's checks refused our completions: say why, loudly (an
+                # honest peer sees this only when its engine disagrees with the policy)
+                self._status("rejected", {"lease": decoded.lease_id.hex()[:12],
+                                          "reason": decoded.detail})
 
     async def heartbeats(self) -> None:
         loop = asyncio.get_running_loop()
@@ -102,7 +108,7 @@ class LeasedWork:
         while True:
             await self.ready.wait()
             claim = self.leases.claim(self.clock.wall(), tokens_per_s=self._tokens_per_s,
-                                      version=self._version(), want=self.config.want_tasks)
+                                      version=self._version()[0], want=self.config.want_tasks)
             await self._send(claim.encode())
             try:
                 lease = await asyncio.wait_for(self._inbox.get(),
@@ -117,7 +123,7 @@ class LeasedWork:
         tokens = 0
         t0 = self.clock.now()
         async with self.engine_lock:
-            version = self._version()
+            version, root = self._version()
             for task in lease.tasks:
                 prompts = [list(task.prompt_tokens)] * task.group_size
                 # the lease's settings, as signed; the engine's completions, as sent
@@ -130,7 +136,8 @@ class LeasedWork:
         if lease.lease_id not in self.leases.held:
             self._status("lease_lost", {"lease": lease.lease_id.hex()[:12]})
             return
-        res = self.leases.result(lease.lease_id, version, results, self.clock.wall())
+        res = self.leases.result(lease.lease_id, version, results, self.clock.wall(),
+                                 root=root)
         await self._send(res.encode())
         self._held_changed.set()
         self.tasks_done += len(results)

@@ -164,6 +164,12 @@ class _Progress:
             return f"trainer reachable again (holding version {f.get('version')})"
         if event == "banned":
             return f"banned peer {f.get('peer')}: {f.get('reason')}"
+        if event == "rejected" and "peer" in f:
+            return (f"rejected a result of {f.get('peer')} (version {f.get('version')}, "
+                    f"{f.get('tasks')} task(s); re-issued): {f.get('reason')}")
+        if event == "rejected":
+            return (f"the trainer REJECTED our result (lease {f.get('lease')}): "
+                    f"{f.get('reason')}")
         if event == "dropped":
             return f"dropped neighbour {f.get('peer')}: {f.get('reason')}"
         if event == "resume_refused":

@@ -37,15 +37,20 @@ from swarm.delta.state import keyframe_manifest, layout_of, piece_views, state_r
 from swarm.errors import DecodeError, SwarmError
 from swarm.identity import Identity
 from swarm.net import topics
+from swarm.protocol.checks import Check, CheckInput, CopyCheck, RootCheck
 from swarm.protocol.exchange import Chunk, ExchangeConfig, ObjectSpec
 from swarm.protocol.follow import catch_up_reply
 from swarm.protocol.leases import (
     Accepted,
     LeaseConfig,
+    Rejected,
+    Result,
     RolloutTask,
     Sampling,
     TrainerLeases,
+    decode_message,
 )
+from swarm.protocol.leases import Message as LeaseMessage
 from swarm.roles import statelog, sync
 from swarm.roles.common import Clock, Network, NodeBase
 from swarm.roles.mux import Channel
@@ -54,6 +59,22 @@ from swarm.roles.trainer_state import TrainerState
 log = logging.getLogger(__name__)
 
 STATE_FILE = "published.state"
+#: Results waiting for their checks; past it, the lease loop waits (each needs a live lease).
+MAX_PENDING_CHECKS = 256
+
+
+def _first_failure(checks: Sequence[Check], inp: CheckInput) -> str | None:
+    """The first check's reason for refusing ``inp``; a check that raises refuses it."""
+    for check in checks:
+        try:
+            failed = check(inp)
+        except Exception as exc:
+            name = getattr(check, "name", type(check).__name__)
+            log.exception("check %s failed on a result", name)
+            return f"check {name} raised {type(exc).__name__}: {exc}"
+        if failed is not None:
+            return failed
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +146,7 @@ class TrainerNode(NodeBase):
     """Seeds versions and runs the lease book. An async context manager owning its tasks."""
 
     def __init__(self, identity: Identity, net: Network, config: TrainerConfig,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, *, checks: Sequence[Check] = ()) -> None:
         super().__init__(net, region=config.region, exchange_config=config.exchange,
                          clock=clock, name="trainer")
         self.identity = identity
@@ -145,6 +166,17 @@ class TrainerNode(NodeBase):
         self._root: bytes | None = None
         self._keyframe: SignedManifest | None = None
         self._accepted: asyncio.Queue[Accepted] = asyncio.Queue()
+        #: Checks every result passes before it counts (:mod:`swarm.protocol.checks`), the
+        #: cheap ones first: the weight root, copies, then the caller's (e.g. log-probs).
+        self.checks: list[Check] = [RootCheck(), CopyCheck(), *checks]
+        #: Results the checks refused, newest last (bounded); :meth:`collect` never
+        #: returns them.
+        self.rejected: deque[Rejected] = deque(maxlen=1024)
+        #: Seconds spent in checks, and results checked.
+        self.check_seconds = 0.0
+        self.results_checked = 0
+        self._to_check: asyncio.Queue[tuple[Result, str]] = asyncio.Queue(MAX_PENDING_CHECKS)
+        self._checking: set[bytes] = set()
         self._lease_wake = asyncio.Event()
         self._state_path = config.data_dir / STATE_FILE
         self._chunks = DiskChunkStore(config.data_dir / "chunks")
@@ -156,6 +188,7 @@ class TrainerNode(NodeBase):
             await self.start()
             await self._restore()
             self.spawn(self._lease_loop(), "leases")
+            self.spawn(self._check_loop(), "checks")
             self.spawn(self._lease_timer(), "lease timer")
             self.spawn(self._sync_loop(), "sync")
         except BaseException:
@@ -321,15 +354,66 @@ class TrainerNode(NodeBase):
     async def _lease_loop(self) -> None:
         while True:
             msg = await self.mux.recv(Channel.LEASE)
-            replies = self.leases.handle(msg.payload, self.clock.wall(), sender=msg.peer_id)
-            for acc in self.leases.take_accepted():
-                self._accepted.put_nowait(acc)
-            for reply in replies:
-                try:
-                    await self.mux.send(Channel.LEASE, msg.peer_id, reply.encode())
-                except Exception as exc:  # the peer left; its lease will expire
-                    log.info("could not answer %s: %s", msg.peer_id, exc)
-            self._lease_wake.set()
+            now = self.clock.wall()
+            try:
+                decoded: LeaseMessage | bytes = decode_message(msg.payload)
+            except SwarmError:
+                decoded = msg.payload  # the book refuses it and scores the sender
+            if isinstance(decoded, Result) and self.leases.admissible(
+                    decoded, now, sender=msg.peer_id):
+                if decoded.commitment not in self._checking:  # a resent copy: checked once
+                    self._checking.add(decoded.commitment)
+                    await self._to_check.put((decoded, msg.peer_id))
+                continue
+            await self._answer(msg.peer_id, self.leases.handle(decoded, now,
+                                                               sender=msg.peer_id))
+
+    async def _answer(self, peer: str, replies: Sequence[LeaseMessage]) -> None:
+        for acc in self.leases.take_accepted():
+            self._accepted.put_nowait(acc)
+        for reply in replies:
+            try:
+                await self.mux.send(Channel.LEASE, peer, reply.encode())
+            except Exception as exc:  # the peer left; its lease will expire
+                log.info("could not answer %s: %s", peer, exc)
+        self._lease_wake.set()
+
+    async def _check_loop(self) -> None:
+        """Run the checks on admissible results, one at a time off the event loop; a
+        result that passes goes to the lease book, one that fails is rejected."""
+        while True:
+            res, peer = await self._to_check.get()
+            try:
+                if not self.leases.admissible(res, self.clock.wall(), sender=peer):
+                    # counted meanwhile through a backup lease, or expired: the book says
+                    # which, without a check
+                    await self._answer(peer, self.leases.handle(res, self.clock.wall(),
+                                                                sender=peer))
+                    continue
+                inp = CheckInput(res, {t: task for t in res.task_ids
+                                       if (task := self.leases.task(t)) is not None},
+                                 self._root_of(res.version))
+                t0 = asyncio.get_running_loop().time()
+                failed = await asyncio.to_thread(_first_failure, self.checks, inp)
+                self.check_seconds += asyncio.get_running_loop().time() - t0
+                self.results_checked += 1
+                now = self.clock.wall()
+                if failed is None:
+                    await self._answer(peer, self.leases.handle(res, now, sender=peer))
+                    continue
+                log.warning("rejected result of %s (lease %s, version %d): %s", peer,
+                            res.lease_id.hex()[:12], res.version, failed)
+                verdict = self.leases.reject(res, now, failed)
+                self.rejected.extend(self.leases.take_rejected())
+                await self._answer(peer, [verdict])
+            finally:
+                self._checking.discard(res.commitment)
+
+    def _root_of(self, version: int) -> bytes | None:
+        for sm in self.manifests:
+            if sm.manifest.step == version:
+                return sm.manifest.target_root
+        return None
 
     async def _lease_timer(self) -> None:
         while True:

@@ -23,6 +23,7 @@ The fault scenarios that exercise them live in :mod:`swarm.sim.lease_faults`.
 """
 
 from swarm.protocol.leases.messages import (
+    NO_ROOT,
     Claim,
     Completion,
     FinishReason,
@@ -58,10 +59,12 @@ from swarm.protocol.leases.trainer_book import (
     LeaseConfig,
     LeaseExpired,
     LeaseStats,
+    Rejected,
     TrainerLeases,
 )
 
 __all__ = [
+    "NO_ROOT",
     "AcceptResult",
     "Accepted",
     "ActiveLease",
@@ -84,6 +87,7 @@ __all__ = [
     "PeerLeases",
     "PublishVersion",
     "Reason",
+    "Rejected",
     "RenewLease",
     "Result",
     "RolloutTask",

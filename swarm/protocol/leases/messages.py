@@ -49,6 +49,9 @@ MAX_TOKENS_PER_S = 1e9
 MAX_SEED = (1 << 63) - 1
 MAX_STOP_TOKENS = 256
 MAX_TEMPERATURE = 100.0
+ROOT_LEN = 32
+NO_ROOT = b"\0" * ROOT_LEN
+"""The weight root of a result that does not name one (the trainer's checks refuse it)."""
 
 
 class Reason(enum.StrEnum):
@@ -78,6 +81,9 @@ class Reason(enum.StrEnum):
     NO_WORK = "no_work"
     BANNED = "banned"
     TOO_MANY_LEASES = "too_many_leases"
+    REJECTED = "rejected"
+    """A check of the result's completions failed (log-probs, plausibility, weight root,
+    a copy, or a check of the user's): its tasks are re-issued to others."""
 
 
 class LeaseState(enum.StrEnum):
@@ -88,6 +94,8 @@ class LeaseState(enum.StrEnum):
     """Closed early by the trainer (its results fell out of the staleness bound)."""
     SUPERSEDED = "superseded"
     """Every task it still had was delivered first through a backup lease."""
+    REJECTED = "rejected"
+    """Its result failed a check of the completions; its tasks went back to the queue."""
 
 
 PENALTIES: Mapping[str, float] = {
@@ -97,6 +105,7 @@ PENALTIES: Mapping[str, float] = {
     Reason.SENDER_MISMATCH: 10.0,
     Reason.NOT_HOLDER: 10.0,
     Reason.TASK_NOT_IN_LEASE: 10.0,
+    Reason.REJECTED: 10.0,
     Reason.UNKNOWN_LEASE: 5.0,
     Reason.BAD_SHAPE: 5.0,
     Reason.REPLAY: 3.0,
@@ -595,6 +604,8 @@ class Result(_Signed):
     version: int
     results: tuple[TaskResult, ...]
     time_ms: int
+    root: bytes = NO_ROOT
+    """The state root of the weights that generated it (the version's, for an honest peer)."""
     signer: bytes = b"\0" * PUBLIC_KEY_LEN
     signature: bytes = b""
     _body: bytes | None = field(default=None, init=False, compare=False, repr=False)
@@ -604,7 +615,16 @@ class Result(_Signed):
             raise ValueError(f"lease_id is {LEASE_ID_LEN} bytes")
         if not 1 <= len(self.results) <= MAX_TASKS_PER_LEASE:
             raise ValueError(f"a result covers 1..{MAX_TASKS_PER_LEASE} tasks")
+        if len(self.root) != ROOT_LEN:
+            raise ValueError(f"root is {ROOT_LEN} bytes")
         _check_key("signer", self.signer)
+
+    @property
+    def commitment(self) -> bytes:
+        """32 bytes binding everything the result says (run, lease, version, weight root,
+        every token and log-prob, time) but not its signature; the trainer's verdict on
+        the result names it."""
+        return domain_hash("swarm/result-commitment", self.body())
 
     @property
     def task_ids(self) -> tuple[int, ...]:
@@ -616,7 +636,8 @@ class Result(_Signed):
 
     def _fields(self) -> dict[str, Any]:
         return {"run": self.run, "lease": self.lease_id, "version": self.version,
-                "results": [r.to_wire() for r in self.results], "time": self.time_ms}
+                "results": [r.to_wire() for r in self.results], "time": self.time_ms,
+                "root": self.root}
 
     def sign(self, identity: Identity) -> Result:
         return _sign(self, identity)
@@ -631,10 +652,17 @@ class Result(_Signed):
                    strict.get_int(m, "version", 0, MAX_VERSION),
                    tuple(TaskResult.from_wire(r) for r in rows),
                    strict.get_int(m, "time", 0, MAX_TIME_MS),
+                   strict.get_bytes(m, "root", ROOT_LEN),
                    strict.get_bytes(m, "signer", PUBLIC_KEY_LEN))
 
 
 SUBJECTS = frozenset({"claim", "heartbeat", "result"})
+
+
+def _commitment(data: bytes) -> bytes:
+    if len(data) not in (0, ROOT_LEN):
+        raise DecodeError(f"verdict: result is empty or a {ROOT_LEN}-byte commitment")
+    return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -655,6 +683,8 @@ class Verdict(_Signed):
     expires_ms: int = 0
     detail: str = ""
     time_ms: int = 0
+    result: bytes = b""
+    """For a result: the :attr:`Result.commitment` it judged (empty otherwise)."""
     signer: bytes = b"\0" * PUBLIC_KEY_LEN
     signature: bytes = b""
     _body: bytes | None = field(default=None, init=False, compare=False, repr=False)
@@ -664,6 +694,8 @@ class Verdict(_Signed):
             raise ValueError(f"subject is one of {sorted(SUBJECTS)}")
         if len(self.lease_id) not in (0, LEASE_ID_LEN):
             raise ValueError(f"lease_id is empty or {LEASE_ID_LEN} bytes")
+        if len(self.result) not in (0, ROOT_LEN):
+            raise ValueError(f"result is empty or a {ROOT_LEN}-byte commitment")
         object.__setattr__(self, "reason", Reason(self.reason))
         object.__setattr__(self, "detail", self.detail[:MAX_DETAIL_LEN])
         _check_key("signer", self.signer)
@@ -671,7 +703,8 @@ class Verdict(_Signed):
     def _fields(self) -> dict[str, Any]:
         return {"run": self.run, "subject": self.subject, "lease": self.lease_id,
                 "reason": self.reason.value, "accepted": list(self.accepted),
-                "expires": self.expires_ms, "detail": self.detail, "time": self.time_ms}
+                "expires": self.expires_ms, "detail": self.detail, "time": self.time_ms,
+                "result": self.result}
 
     def sign(self, identity: Identity) -> Verdict:
         return _sign(self, identity)
@@ -692,6 +725,7 @@ class Verdict(_Signed):
                    strict.get_int(m, "expires", 0, MAX_TIME_MS),
                    strict.get_str(m, "detail", MAX_DETAIL_LEN),
                    strict.get_int(m, "time", 0, MAX_TIME_MS),
+                   _commitment(strict.get_bytes(m, "result", max_len=ROOT_LEN)),
                    strict.get_bytes(m, "signer", PUBLIC_KEY_LEN))
 
 
@@ -702,9 +736,10 @@ _BODY_KEYS: Mapping[str, frozenset[str]] = {
     "lease": frozenset({"v", "signer", "id", "run", "holder", "tasks", "min_version", "latest",
                         "k", "issued", "expires", "grace"}),
     "heartbeat": frozenset({"v", "signer", "run", "lease", "done", "time"}),
-    "result": frozenset({"v", "signer", "run", "lease", "version", "results", "time"}),
+    "result": frozenset({"v", "signer", "run", "lease", "version", "results", "time",
+                         "root"}),
     "verdict": frozenset({"v", "signer", "run", "subject", "lease", "reason", "accepted",
-                          "expires", "detail", "time"}),
+                          "expires", "detail", "time", "result"}),
 }
 _MAX_BYTES: Mapping[str, int] = {"claim": 4096, "heartbeat": 4096, "verdict": 64 << 10,
                                  "lease": MAX_CONTROL_BYTES, "result": MAX_MESSAGE_BYTES}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from swarm.errors import DecodeError, LocalProtocolError, SignatureError
 from swarm.identity import PUBLIC_KEY_LEN, Identity
 from swarm.protocol.leases.messages import (
+    NO_ROOT,
     PENALTIES,
     Claim,
     Heartbeat,
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 _DROPS_LEASE = frozenset({Reason.EXPIRED, Reason.STALE_VERSION, Reason.UNKNOWN_LEASE,
-                          Reason.NOT_HOLDER})
+                          Reason.NOT_HOLDER, Reason.REJECTED})
 
 
 @dataclass(slots=True)
@@ -98,8 +99,9 @@ class PeerLeases:
         return out
 
     def result(self, lease_id: bytes, version: int, results: Sequence[TaskResult],
-               now: float) -> Result:
-        """A signed result for tasks of a held lease.
+               now: float, *, root: bytes = NO_ROOT) -> Result:
+        """A signed result for tasks of a held lease, generated with the weights of
+        ``version`` whose state root is ``root``.
 
         :raises LocalProtocolError: the lease is not held, or a task is not in it.
         """
@@ -114,7 +116,7 @@ class PeerLeases:
             raise LocalProtocolError("results for tasks outside the lease")
         held.submitted |= ids
         return Result(self._run, lease_id, version, tuple(results),
-                      self._stamp(now)).sign(self._id)
+                      self._stamp(now), root).sign(self._id)
 
     def next_deadline(self) -> float | None:
         """When :meth:`heartbeats` or :meth:`tick` next has something to do."""

@@ -115,6 +115,10 @@ class LeaseStats:
     leases_superseded: int = 0
     renewals: int = 0
     results_accepted: int = 0
+    results_rejected: int = 0
+    """Results refused by a check of their completions (see :meth:`TrainerLeases.reject`)."""
+    leases_rejected: int = 0
+    tasks_requeued_by_checks: int = 0
     refused: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -126,6 +130,9 @@ class LeaseStats:
             "leases_expired": self.leases_expired, "leases_released": self.leases_released,
             "leases_superseded": self.leases_superseded,
             "renewals": self.renewals, "results_accepted": self.results_accepted,
+            "results_rejected": self.results_rejected,
+            "leases_rejected": self.leases_rejected,
+            "tasks_requeued_by_checks": self.tasks_requeued_by_checks,
             "refused": dict(sorted(self.refused.items())),
         }
 
@@ -147,6 +154,21 @@ class Accepted:
     holder: str
     version: int
     results: tuple[TaskResult, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A result a check refused: who sent it, for which tasks, and why."""
+
+    lease_id: bytes
+    holder: str
+    version: int
+    task_ids: tuple[int, ...]
+    reason: str
+    commitment: bytes
+    at: float
+    banned: bool
+    """Whether the holder was banned from new leases after this rejection."""
 
 
 @dataclass(slots=True)
@@ -205,6 +227,7 @@ class TrainerLeases:
             self._scores.set_score(peer, score)
         self._last_claim: dict[str, int] = {}
         self._fresh: list[Accepted] = []
+        self._rejected: list[Rejected] = []
         self.stats = LeaseStats()
         ops: list[StateOp] = []
         for act in snap.active:
@@ -364,8 +387,9 @@ class TrainerLeases:
             blamed = sender if ref.reason is Reason.SENDER_MISMATCH and sender else peer
             self._count_refusal(ref.reason, blamed, subject, ref.detail, ops)
             self._store.commit(ops)
+            judged = message.commitment if isinstance(message, Result) else b""
             return [self._verdict(subject, lease_id, ref.reason, now, detail=ref.detail,
-                                  accepted=ref.counted)]
+                                  accepted=ref.counted, result=judged)]
         self._store.commit(ops)
         return [reply]
 
@@ -405,9 +429,9 @@ class TrainerLeases:
 
     def _verdict(self, subject: str, lease_id: bytes, reason: Reason, now: float, *,
                  accepted: tuple[int, ...] = (), expires: float = 0.0,
-                 detail: str = "") -> Verdict:
+                 detail: str = "", result: bytes = b"") -> Verdict:
         return Verdict(self._cfg.run, subject, lease_id, reason, accepted,
-                       max(0, ms(expires)), detail, max(0, ms(now))).sign(self._id)
+                       max(0, ms(expires)), detail, max(0, ms(now)), result).sign(self._id)
 
     def _claim(self, claim: Claim, peer: str, now: float, ops: list[StateOp]) -> Message:
         if self._scores.banned(peer):
@@ -517,7 +541,8 @@ class TrainerLeases:
             self.stats.renewals += 1
         return self._verdict("heartbeat", hb.lease_id, Reason.ACCEPTED, now, expires=expires)
 
-    def _result(self, res: Result, peer: str, now: float, ops: list[StateOp]) -> Verdict:
+    def _admit(self, res: Result, peer: str, now: float, ops: list[StateOp]) -> _LeaseRec:
+        """Every check of a result the book itself makes; raises :class:`_Refused`."""
         rec = self._live(res.lease_id, res.signer, now, ops)
         ids = res.task_ids
         if len(set(ids)) != len(ids):
@@ -543,6 +568,11 @@ class TrainerLeases:
                 raise _Refused(Reason.BAD_SHAPE,
                                f"task {tr.task_id}: {len(tr.completions)} completions for a "
                                f"group of {task.group_size}, or too many tokens")
+        return rec
+
+    def _result(self, res: Result, peer: str, now: float, ops: list[StateOp]) -> Verdict:
+        rec = self._admit(res, peer, now, ops)
+        ids = res.task_ids
         ops.append(AcceptResult(res, now))
         for t in ids:
             for other in self._holders.pop(t, set()) - {res.lease_id}:
@@ -565,7 +595,57 @@ class TrainerLeases:
         self._fresh.append(Accepted(res.lease_id, peer, res.version, res.results))
         if not rec.pending:
             self._close(res.lease_id, LeaseState.COMPLETED, ops)
-        return self._verdict("result", res.lease_id, Reason.ACCEPTED, now, accepted=ids)
+        return self._verdict("result", res.lease_id, Reason.ACCEPTED, now, accepted=ids,
+                             result=res.commitment)
+
+    # ------------------------------------------------------------------ checked results
+
+    def task(self, task_id: int) -> RolloutTask | None:
+        """A queued or leased task (counted tasks are forgotten)."""
+        return self._tasks.get(task_id)
+
+    def admissible(self, message: Message, now: float, *, sender: str | None = None) -> bool:
+        """Whether :meth:`handle` would count this result now (a dry run: nothing changes).
+        The trainer runs its checks of the completions only on admissible results, so a
+        stranger cannot make it spend a forward pass."""
+        if not isinstance(message, Result) or message.run != self._cfg.run:
+            return False
+        peer = message.signer_peer_id
+        if sender is not None and sender != peer:
+            return False
+        rec = self._leases.get(message.lease_id)
+        if rec is None or now > rec.expires + self._cfg.grace_s:
+            return False
+        try:
+            self._admit(message, peer, now, [])
+        except _Refused:
+            return False
+        return message.is_valid()
+
+    def reject(self, res: Result, now: float, detail: str) -> Verdict:
+        """A check of ``res``'s completions failed: nothing of it counts, its lease closes
+        and its tasks go back to the queue for other peers, its signer is scored (banned
+        after repeated failures). Call it instead of :meth:`handle` for an admissible
+        result; returns the signed verdict to send the peer."""
+        peer = res.signer_peer_id
+        ops: list[StateOp] = []
+        requeued: tuple[int, ...] = ()
+        if res.lease_id in self._leases:
+            requeued = self._close(res.lease_id, LeaseState.REJECTED, ops)
+        self._count_refusal(Reason.REJECTED, peer, "result", detail, ops)
+        self._store.commit(ops)
+        self.stats.results_rejected += 1
+        self.stats.tasks_requeued_by_checks += len(requeued)
+        self._rejected.append(Rejected(res.lease_id, peer, res.version, res.task_ids,
+                                       detail, res.commitment, now,
+                                       self._scores.banned(peer)))
+        return self._verdict("result", res.lease_id, Reason.REJECTED, now, detail=detail,
+                             result=res.commitment)
+
+    def take_rejected(self) -> list[Rejected]:
+        """Results rejected by checks since the last call, oldest first."""
+        out, self._rejected = self._rejected, []
+        return out
 
     def _close(self, lease_id: bytes, state: LeaseState, ops: list[StateOp]) -> tuple[int, ...]:
         """End a live lease; its uncounted tasks no other live lease holds go back to the queue.
@@ -591,6 +671,8 @@ class TrainerLeases:
             self._speeds.timed_out(rec.lease.holder_peer_id, rec.speed)
         elif state is LeaseState.SUPERSEDED:
             self.stats.leases_superseded += 1
+        elif state is LeaseState.REJECTED:
+            self.stats.leases_rejected += 1
         else:
             self.stats.leases_released += 1
         return tuple(requeued)

@@ -1,0 +1,187 @@
+"""The trainer's log-prob and plausibility check of untrusted completions (torch).
+
+For every completion of a result, :class:`LogprobCheck` runs the policy of the version the
+result names over prompt + completion in one forward pass (the completions of a task are
+batched) and refuses the result when:
+
+- **log-probs**: a reported per-token log-prob (under the model's raw distribution, as
+  :class:`~swarm.protocol.leases.Completion` defines it) differs from the recomputed one by
+  more than :attr:`Tolerance.max_abs`, or on average by more than :attr:`Tolerance.mean_abs`.
+  This catches made-up log-probs, another model and another version, as far as those move
+  the log-probs more than engines of one kind disagree;
+- **support**: a sampled token lies outside what the task's sampling settings allow: not
+  the argmax when greedy, outside the top-k, or outside the top-p nucleus (each with a
+  margin of :attr:`Tolerance.max_abs`, since engines disagree at the boundary);
+- **likelihood**: the tokens are far less likely than samples of the sampling distribution
+  would be: the summed log-probability under the sampling distribution (temperature, top-k,
+  top-p) lies more than :attr:`Tolerance.z_min` standard deviations below its mean. This
+  catches made-up tokens with log-probs recomputed to match, once the policy has learnt
+  anything (a uniform policy makes every sequence as likely as any other).
+
+Tolerances depend on the pair of engines (the peer's and this recomputation) and the
+dtype: :data:`TOLERANCES` holds those measured here (``swarm bench checks``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swarm.protocol.checks import CheckInput
+from swarm.protocol.leases import Completion, Sampling
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """How far honest completions may be from the recomputation."""
+
+    max_abs: float
+    """Largest per-token |reported - recomputed| log-prob."""
+    mean_abs: float
+    """Largest mean per-token |reported - recomputed| over a completion."""
+    z_min: float = -6.0
+    """Lowest z-score of a completion's likelihood under the sampling distribution."""
+
+
+#: Per dtype of the published state, for a torch peer checked by the trainer's torch
+#: recomputation. Measured here (``swarm bench checks``): honest completions of the demo
+#: policy differ by 0 in both dtypes (one code path, one CPU kind), while a peer one
+#: version behind differs by 0.18-0.6 on average per completion and made-up log-probs by
+#: 2.5-3.7. The bounds leave room for batching and kernel differences of larger models.
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(max_abs=1e-3, mean_abs=2e-4),
+    "bfloat16": Tolerance(max_abs=0.05, mean_abs=0.01),
+}
+
+
+def sampling_logprobs(logits: torch.Tensor, sampling: Sampling, margin: float = 0.0
+                      ) -> torch.Tensor:
+    """Log-probs of the distribution ``sampling`` draws from (temperature, then top-k, then
+    top-p, as the engines apply them); ``-inf`` outside the allowed set, which ``margin``
+    (in log-prob units) widens. ``logits`` is ``[..., vocab]`` float32."""
+    if sampling.greedy:
+        best = logits.max(dim=-1, keepdim=True).values
+        allowed = logits >= best - margin
+        return torch.where(allowed, 0.0, -math.inf) - torch.log(allowed.sum(-1, keepdim=True))
+    scaled = logits / sampling.temperature
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth - margin, -math.inf)
+    logq = torch.log_softmax(scaled, dim=-1)
+    if sampling.top_p < 1:
+        probs = logq.exp()
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        cut = torch.zeros_like(before, dtype=torch.bool).scatter_(
+            -1, order, before >= min(1.0, sampling.top_p + margin))
+        logq = torch.log_softmax(logq.masked_fill(cut, -math.inf), dim=-1)
+    return logq
+
+
+@torch.no_grad()
+def recompute(model: torch.nn.Module, prompt: Sequence[int],
+              completions: Sequence[Completion]) -> list[torch.Tensor]:
+    """The model's float32 logits at every generated position of each completion
+    (``[len(tokens), vocab]``), completions of one length in one forward pass."""
+    out: list[torch.Tensor | None] = [None] * len(completions)
+    by_len: dict[int, list[int]] = {}
+    for i, c in enumerate(completions):
+        by_len.setdefault(len(c.token_ids), []).append(i)
+    device = next(model.parameters()).device
+    p = len(prompt)
+    for length, rows in by_len.items():
+        if length == 0:
+            for i in rows:
+                out[i] = torch.empty(0, 0)
+            continue
+        ids = torch.tensor([[*prompt, *completions[i].token_ids] for i in rows],
+                           dtype=torch.long, device=device)
+        logits = model(input_ids=ids[:, :-1]).logits[:, p - 1:, :].float().cpu()
+        for j, i in enumerate(rows):
+            out[i] = logits[j]
+    return [t for t in out if t is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What the check measured on one completion (for calibration and reports)."""
+
+    max_abs: float
+    mean_abs: float
+    outside: int
+    """Tokens outside the sampling settings' support."""
+    z: float
+
+
+def measure(logits: torch.Tensor, comp: Completion, sampling: Sampling,
+            margin: float) -> Measured:
+    """Compare one completion with its recomputed ``logits``."""
+    n = len(comp.token_ids)
+    if n == 0:
+        return Measured(0.0, 0.0, 0, 0.0)
+    tokens = torch.tensor(comp.token_ids, dtype=torch.long)
+    if int(tokens.max()) >= logits.shape[-1]:
+        return Measured(math.inf, math.inf, n, -math.inf)
+    raw = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    diff = (torch.tensor(comp.logprobs, dtype=torch.float64) - raw.double()).abs()
+    logq = sampling_logprobs(logits, sampling, margin)
+    picked = logq.gather(1, tokens[:, None])[:, 0]
+    outside = int(torch.isinf(picked).sum())
+    q = logq.exp()
+    finite = torch.where(torch.isinf(logq), 0.0, logq)
+    mean = (q * finite).sum(-1)
+    var = ((q * finite * finite).sum(-1) - mean * mean).clamp_min(0.0)
+    z = float((torch.where(torch.isinf(picked), 0.0, picked) - mean).sum()
+              / math.sqrt(float(var.sum()) + 1e-6))
+    return Measured(float(diff.max()), float(diff.mean()), outside, z)
+
+
+class LogprobCheck:
+    """Recompute and compare, under the result's own version.
+
+    ``model_for(version)`` returns the policy that version's peers run (the same weights and
+    dtype), or ``None`` when the trainer no longer keeps it: such a result is refused when
+    ``refuse_unknown`` (the default), else passed unchecked.
+    """
+
+    name = "logprobs"
+
+    def __init__(self, model_for: Callable[[int], torch.nn.Module | None],
+                 tolerance: Tolerance, *, refuse_unknown: bool = True) -> None:
+        self.model_for = model_for
+        self.tolerance = tolerance
+        self.refuse_unknown = refuse_unknown
+        #: Every completion's measurement, newest last (bounded): calibration reads it.
+        self.seen: deque[Measured] = deque(maxlen=4096)
+
+    def __call__(self, inp: CheckInput) -> str | None:
+        res = inp.result
+        model = self.model_for(res.version)
+        if model is None:
+            return (f"version {res.version} is not kept for checking"
+                    if self.refuse_unknown else None)
+        tol = self.tolerance
+        for tr in res.results:
+            task = inp.tasks.get(tr.task_id)
+            if task is None:
+                return f"task {tr.task_id} is not known"
+            logits = recompute(model, task.prompt_tokens, tr.completions)
+            for k, (comp, lg) in enumerate(zip(tr.completions, logits, strict=True)):
+                v = measure(lg, comp, task.sampling, tol.max_abs)
+                self.seen.append(v)
+                where = f"task {tr.task_id} completion {k}"
+                if v.max_abs > tol.max_abs or v.mean_abs > tol.mean_abs:
+                    return (f"{where}: log-probs differ from version {res.version}'s by up "
+                            f"to {v.max_abs:.3g} (mean {v.mean_abs:.3g}; tolerance "
+                            f"{tol.max_abs:g}/{tol.mean_abs:g})")
+                if v.outside:
+                    return (f"{where}: {v.outside} token(s) outside what the sampling "
+                            "settings allow")
+                if v.z < tol.z_min:
+                    return (f"{where}: tokens implausibly unlikely under the sampling "
+                            f"settings (z = {v.z:.1f} < {tol.z_min:g})")
+        return None

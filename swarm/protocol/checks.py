@@ -1,0 +1,91 @@
+"""Checks of untrusted rollouts: what the trainer runs on a result before any of it counts.
+
+Bit-exact weights prove what a peer *holds*, not what it *returns*. A result the lease book
+would count (signed by the lease's holder, live lease, version in the window, right shape:
+:meth:`~swarm.protocol.leases.TrainerLeases.admissible`) goes through the trainer's checks
+first, one result at a time, off the event loop. A check is any callable taking a
+:class:`CheckInput` and returning ``None`` (passed) or a one-line reason (failed). A failed
+result never reaches :meth:`~swarm.roles.trainer.TrainerNode.collect`: its lease closes,
+its tasks are re-issued to other peers and its signer is scored (banned after repeated
+failures); the peer gets a signed verdict naming the result's commitment and the reason.
+
+Checks here need no model: :class:`RootCheck` (the result names the weights of its
+version) and :class:`CopyCheck` (no completion is one already seen for another task). The
+log-prob and plausibility checks that run the policy are
+:class:`swarm.engines.rollout_check.LogprobCheck`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import blake3
+
+from swarm.protocol.leases import Result, RolloutTask
+
+
+@dataclass(frozen=True, slots=True)
+class CheckInput:
+    """What a check sees: the result, the tasks it answers, and the state root the trainer
+    published for the result's version (``None`` when that version is no longer kept)."""
+
+    result: Result
+    tasks: Mapping[int, RolloutTask]
+    root: bytes | None
+
+
+Check = Callable[[CheckInput], str | None]
+"""A check: ``None`` when the result passes, else why it fails (one line)."""
+
+
+class RootCheck:
+    """The result names the weight root the trainer published for its version: a peer that
+    generated with other weights and says so is refused without a forward pass."""
+
+    name = "root"
+
+    def __call__(self, inp: CheckInput) -> str | None:
+        if inp.root is None:
+            return f"version {inp.result.version} is no longer kept for checking"
+        if inp.result.root != inp.root:
+            return (f"generated with weights of root {inp.result.root.hex()[:12]}, not "
+                    f"version {inp.result.version}'s {inp.root.hex()[:12]}")
+        return None
+
+
+class CopyCheck:
+    """No completion may repeat one already returned for *another* task: a peer copying
+    completions (its own earlier ones, or another peer's) instead of generating. The same
+    task sampled with the same seed gives the same tokens legitimately (a backup lease), so
+    only other tasks count; completions shorter than ``min_tokens`` or of greedy tasks are
+    not remembered (honest peers repeat those). Every completion checked is remembered,
+    whatever the later checks say (a copy of a refused result is a copy too); at most
+    ``capacity`` are kept."""
+
+    name = "copy"
+
+    def __init__(self, *, min_tokens: int = 8, capacity: int = 1 << 16) -> None:
+        self.min_tokens = min_tokens
+        self.capacity = capacity
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+
+    def __call__(self, inp: CheckInput) -> str | None:
+        failed: str | None = None
+        for tr in inp.result.results:
+            task = inp.tasks.get(tr.task_id)
+            if task is None or task.sampling.greedy:
+                continue
+            for comp in tr.completions:
+                if len(comp.token_ids) < self.min_tokens:
+                    continue
+                key = blake3.blake3(b"".join(t.to_bytes(4, "little")
+                                             for t in comp.token_ids)).digest()
+                other = self._seen.setdefault(key, tr.task_id)
+                self._seen.move_to_end(key)
+                if other != tr.task_id and failed is None:
+                    failed = f"task {tr.task_id}: a completion copied from task {other}"
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+        return failed

@@ -1,0 +1,69 @@
+"""Untrusted rollouts on real processes: a `swarm trainer`, an honest `swarm peer` and a peer
+started with ``--chaos-cheat STRATEGY``. Every strategy's results are refused by the
+trainer's checks (none counts), the honest peer's never are, the cheater hears why, and the
+demo prints the cheater's line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from swarmproc import cluster, step_of
+
+from swarm.engines import CHEAT_STRATEGIES
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+STEPS = 4
+
+
+@pytest.mark.parametrize("strategy", CHEAT_STRATEGIES)
+def test_a_cheating_peer_is_refused_and_an_honest_one_is_not(tmp_path: Path,
+                                                              strategy: str) -> None:
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", str(STEPS), "--min-peers", "2", "--prompts", "8",
+                      "--group", "4")
+        honest = c.peer("p0", region="r1")
+        cheater = c.peer("cheater", "--chaos-cheat", strategy, region="r1")
+        cheater_id = str(cheater.wait_event("ready", 60)["peer_id"])
+        honest_id = str(honest.wait_event("ready", 60)["peer_id"])
+        t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= STEPS, 240,
+                   f"step {STEPS}")
+        done = t.wait_event("done", 60)
+        checks = done["checks"]
+        assert honest_id not in checks["rejected"], checks
+        assert checks["rejected"].get(cheater_id, 0) >= 1, checks
+        counted = dict(checks["accepted"].get(cheater_id, {}))
+        if strategy == "stale":  # one version late is right at version 0
+            counted.pop("0", None)
+        assert counted == {}, f"{strategy}: cheating results counted: {checks}"
+        assert checks["accepted"].get(honest_id), checks
+        rejected = [e for e in t.of("rejected") if e["peer"] == cheater_id]
+        assert rejected and all(e["reason"] for e in rejected)
+        # the cheater is told, with the reason
+        told = cheater.wait_event("rejected", 30)
+        assert told["reason"] in {e["reason"] for e in rejected}
+        honest.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= STEPS, 60,
+                        f"verified {STEPS}")
+        assert sorted({int(e["version"]) for e in honest.of("verified")}) == \
+            list(range(STEPS + 1))
+
+
+def test_the_demo_with_a_cheater_says_what_became_of_it(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "swarm.cli.main", "demo", "--dir", str(tmp_path), "--peers", "2",
+         "--steps", "4", "--prompts", "16", "--quiet", "--cheater", "fake-logprobs",
+         "--timeout", "240"],
+        capture_output=True, text=True, timeout=280)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("cheater: ")), "")
+    assert line, out.stdout[-3000:]
+    rejected = int(line.split()[1])
+    assert rejected >= 1 and ", 0 accepted, banned after " in line, line
+    assert line.endswith("honest peers' results rejected: 0"), line
+    assert "every live peer verified every version: True" in out.stdout
+    assert "the checks held: True" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["peers"]["cheater"]["verified"] == 5  # it holds the right weights

@@ -1,0 +1,301 @@
+"""Untrusted rollouts: the trainer checks every result before any of it counts.
+
+In memory: a trainer with the log-prob check, honest peers and one cheating peer per
+strategy (``swarm.engines.cheater``) over the in-memory network; every cheating result is
+refused, no honest one is, the cheater is banned and its tasks are done by others. Then
+the pieces: commitments, the lease book's rejection, the root, copy, support and
+likelihood checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.demo.model import TinyModelConfig, build_model, inference_state, model_from_state
+from swarm.engines import CHEAT_STRATEGIES
+from swarm.engines.cheater import CheatingEngine
+from swarm.engines.rollout_check import TOLERANCES, LogprobCheck, recompute
+from swarm.engines.torch_engine import TorchEngine
+from swarm.errors import SignatureError
+from swarm.identity import Identity
+from swarm.net.memory import LinkProfile, MemoryNetwork
+from swarm.protocol.checks import CheckInput, CopyCheck, RootCheck
+from swarm.protocol.leases import (
+    Completion,
+    LeaseConfig,
+    LeaseState,
+    PeerLeases,
+    Reason,
+    Result,
+    RolloutTask,
+    Sampling,
+    TaskResult,
+    TrainerLeases,
+    Verdict,
+    decode_message,
+)
+from swarm.roles.peer import PeerConfig, RolloutPeer
+from swarm.roles.trainer import TrainerConfig, TrainerNode
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = TinyModelConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, intermediate_size=64, seed=3)
+PIECE = 1 << 14
+TRAINER = Identity.from_seed(b"T" * 32)
+ALICE = Identity.from_seed(b"A" * 32)
+RUN = "checks"
+SAMPLING = Sampling(temperature=1.0, max_tokens=8)
+
+
+def _train_like(model: torch.nn.Module, step: int) -> None:
+    """A change of the master as large as the demo's learning rate makes (10% of the
+    weights by about their own scale): enough to move the policy's log-probs."""
+    gen = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            mask = torch.rand(p.shape, generator=gen) < 0.1
+            p.add_(mask * torch.randn(p.shape, generator=gen) * 0.05)
+
+
+class Policies:
+    """The bf16 policy of each published version, as peers run it."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, torch.nn.Module] = {}
+
+    def add(self, version: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.models[version] = model_from_state(CFG, state, torch.bfloat16).eval()
+        return state
+
+
+async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
+                            ) -> tuple[TrainerNode, dict[int, int], str]:
+    """A trainer with the log-prob check, two honest peers and one cheater; returns the
+    trainer, the cheater's results counted per version, and the cheater's id."""
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=1)
+    master = build_model(CFG)
+    policies = Policies()
+    check = LogprobCheck(policies.models.get, TOLERANCES["bfloat16"])
+    cheater = Identity.from_seed(b"C" * 32)
+    counted: dict[int, int] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(TRAINER))
+        trainer = await stack.enter_async_context(TrainerNode(
+            TRAINER, tnet, TrainerConfig(run=RUN, data_dir=tmp_path, piece_size=PIECE),
+            checks=[check]))
+        await trainer.publish(policies.add(0, inference_state(master)))
+        for i, ident in enumerate((Identity.from_seed(b"1" * 32),
+                                   Identity.from_seed(b"2" * 32), cheater)):
+            pnet = await stack.enter_async_context(net.transport(ident))
+            await pnet.connect(tnet.listen_addresses[0])
+            engine: object = TorchEngine(build_model(CFG, dtype=torch.bfloat16))
+            if ident is cheater:
+                engine = CheatingEngine(engine, strategy, vocab_size=CFG.vocab_size,  # type: ignore[arg-type]
+                                        seed=i)
+            await stack.enter_async_context(RolloutPeer(
+                ident, pnet, PeerConfig(run=RUN, trainer=TRAINER.peer_id, want_tasks=2),
+                inference_state(build_model(CFG)), engine))  # type: ignore[arg-type]
+        for step in range(1, steps + 1):
+            tasks = trainer.add_tasks([(f"s{step}-{k}", [1, 2 + k, 3]) for k in range(6)],
+                                      group_size=2, sampling=SAMPLING)
+            accepted = await trainer.collect(len(tasks), timeout=60)
+            assert {r.task_id for a in accepted for r in a.results} >= \
+                {t.task_id for t in tasks}
+            for a in accepted:
+                if a.holder == cheater.peer_id:
+                    counted[a.version] = counted.get(a.version, 0) + 1
+            _train_like(master, step)
+            await trainer.publish(policies.add(step, inference_state(master)))
+        # results still being checked when the last step ended
+        async with asyncio.timeout(30):
+            while not trainer._to_check.empty() or trainer._checking:
+                await asyncio.sleep(0.05)
+        return trainer, counted, cheater.peer_id
+
+
+@pytest.mark.parametrize("strategy", CHEAT_STRATEGIES)
+async def test_a_cheating_peer_is_refused_and_banned_and_honest_peers_never_are(
+        tmp_path: Path, strategy: str) -> None:
+    trainer, counted, cheater = await _run_with_cheater(tmp_path, strategy)
+    if strategy == "stale":
+        # one version late is the right version at version 0 (there is none before it)
+        counted.pop(0, None)
+    assert counted == {}, f"cheating results counted: {counted}"
+    rejected = list(trainer.rejected)
+    assert rejected and {r.holder for r in rejected} == {cheater}
+    assert trainer.leases.scores.banned(cheater)
+    assert any(r.banned for r in rejected)
+    assert trainer.leases.stats.results_rejected == len(rejected)
+
+
+def _result(version: int, tokens: tuple[int, ...], logprobs: tuple[float, ...], *,
+            root: bytes = b"r" * 32, task_id: int = 0) -> Result:
+    comp = Completion(tokens, logprobs)
+    return Result(RUN, b"L" * 16, version, (TaskResult(task_id, (comp,)),), 1000,
+                  root).sign(ALICE)
+
+
+def test_a_result_commits_to_every_token_log_prob_and_the_weight_root() -> None:
+    base = _result(1, (1, 2, 3), (-0.5, -0.5, -0.5))
+    again = decode_message(base.encode())
+    assert isinstance(again, Result) and again.commitment == base.commitment
+    assert again.root == b"r" * 32
+    for other in (_result(1, (1, 2, 4), (-0.5, -0.5, -0.5)),
+                  _result(1, (1, 2, 3), (-0.5, -0.5, -0.25)),
+                  _result(2, (1, 2, 3), (-0.5, -0.5, -0.5)),
+                  _result(1, (1, 2, 3), (-0.5, -0.5, -0.5), root=b"s" * 32)):
+        assert other.commitment != base.commitment
+    v = Verdict(RUN, "result", b"L" * 16, Reason.REJECTED, detail="bad",
+                result=base.commitment).sign(TRAINER)
+    back = decode_message(v.encode())
+    assert isinstance(back, Verdict) and back.result == base.commitment
+    with pytest.raises(ValueError, match="root is 32 bytes"):
+        Result(RUN, b"L" * 16, 1, base.results, 1000, b"short")
+    with pytest.raises(SignatureError):  # the verdict's signature covers what it judged
+        decode_message(v.encode().replace(base.commitment, b"x" * 32))
+    with pytest.raises(ValueError, match="32-byte commitment"):
+        Verdict(RUN, "result", b"L" * 16, Reason.REJECTED, result=b"short")
+
+
+def test_the_lease_book_rejects_a_checked_result_requeues_its_tasks_and_bans_repeaters() -> None:
+    t = TrainerLeases(TRAINER, LeaseConfig(run=RUN, grace_s=2.0))
+    t.publish_version(0, 0.0)
+    t.add_tasks([(f"p{i}", [i, 1]) for i in range(8)], group_size=1, sampling=SAMPLING)
+    p = PeerLeases(ALICE, TRAINER.public_key, RUN)
+    for round_ in range(2):
+        now = 1.0 + round_
+        [lease] = t.handle(p.claim(now, tokens_per_s=4.0, version=0, want=4).encode(), now,
+                           sender=ALICE.peer_id)
+        assert p.receive(lease.encode(), now, sender="t") is Reason.ACCEPTED
+        rows = [TaskResult(task.task_id, (Completion((1,), (-1.0,)),)) for task in lease.tasks]
+        res = p.result(lease.lease_id, 0, rows, now, root=b"r" * 32)
+        assert t.admissible(res, now, sender=ALICE.peer_id)
+        assert not t.admissible(res, now, sender="someone else")
+        queued = t.queued
+        verdict = t.reject(res, now, "made-up log-probs")
+        assert verdict.reason is Reason.REJECTED and verdict.result == res.commitment
+        assert t.lease_state(lease.lease_id) is LeaseState.REJECTED
+        assert t.queued == queued + len(lease.tasks)  # back in the queue for others
+        assert t.take_accepted() == []
+        assert p.receive(verdict.encode(), now, sender="t") is Reason.REJECTED
+        assert lease.lease_id not in p.held  # the peer stops working on it
+    [rej1, rej2] = t.take_rejected()
+    assert not rej1.banned and rej2.banned
+    [refusal] = t.handle(p.claim(5.0, tokens_per_s=4.0, version=0, want=4).encode(), 5.0,
+                         sender=ALICE.peer_id)
+    assert isinstance(refusal, Verdict) and refusal.reason is Reason.BANNED
+
+
+def _input(result: Result, root: bytes | None = b"r" * 32,
+           sampling: Sampling = SAMPLING) -> CheckInput:
+    tasks = {tr.task_id: RolloutTask(tr.task_id, "p", (1, 2, 3), len(tr.completions), sampling)
+             for tr in result.results}
+    return CheckInput(result, tasks, root)
+
+
+def test_root_check_refuses_other_weights_and_unknown_versions() -> None:
+    res = _result(1, (1, 2), (-1.0, -1.0))
+    assert RootCheck()(_input(res)) is None
+    assert "not version 1's" in (RootCheck()(_input(res, root=b"q" * 32)) or "")
+    assert "no longer kept" in (RootCheck()(_input(res, root=None)) or "")
+
+
+def test_copy_check_refuses_a_completion_seen_for_another_task_only() -> None:
+    check = CopyCheck(min_tokens=4)
+    tokens = (5, 6, 7, 8, 9)
+    assert check(_input(_result(1, tokens, (-1.0,) * 5, task_id=1))) is None
+    # the same task again (a backup lease with the same seed) is not a copy
+    assert check(_input(_result(1, tokens, (-1.0,) * 5, task_id=1))) is None
+    assert "copied from task 1" in (check(_input(_result(1, tokens, (-1.0,) * 5,
+                                                          task_id=2))) or "")
+    assert check(_input(_result(1, tokens[:3], (-1.0,) * 3, task_id=3))) is None  # too short
+    greedy = Sampling(temperature=0.0, max_tokens=8)
+    assert check(_input(_result(1, tokens, (-1.0,) * 5, task_id=4), sampling=greedy)) is None
+
+
+def _peaked_model() -> torch.nn.Module:
+    """A policy that has learnt something: sharp next-token distributions (the random
+    output layer scaled up), so that a few tokens carry most of the probability."""
+    model = build_model(CFG)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model.eval()
+
+
+def _honest(model: torch.nn.Module, prompt: tuple[int, ...], sampling: Sampling,
+            seed: int) -> Completion:
+    engine = TorchEngine(model)
+    return engine.generate([list(prompt)], Sampling(
+        temperature=sampling.temperature, max_tokens=sampling.max_tokens,
+        top_k=sampling.top_k, top_p=sampling.top_p, seed=seed))[0]
+
+
+def _one(model: torch.nn.Module, comp: Completion, sampling: Sampling) -> str | None:
+    check = LogprobCheck(lambda v: model, TOLERANCES["float32"])
+    res = Result(RUN, b"L" * 16, 1, (TaskResult(0, (comp,)),), 1000, b"r" * 32).sign(ALICE)
+    return check(_input(res, sampling=sampling))
+
+
+def test_made_up_tokens_with_matching_log_probs_are_implausible_under_a_trained_policy() -> None:
+    model = _peaked_model()
+    sampling = Sampling(temperature=1.0, max_tokens=24)
+    prompt = (1, 2, 3)
+    honest = [_honest(model, prompt, sampling, seed) for seed in range(20)]
+    assert all(_one(model, c, sampling) is None for c in honest)
+    rng = torch.Generator().manual_seed(0)
+    fooled = 0
+    for _ in range(20):
+        tokens = tuple(int(t) for t in torch.randint(0, CFG.vocab_size, (24,), generator=rng))
+        [logits] = recompute(model, prompt, [Completion(tokens, (0.0,) * 24)])
+        lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        forged = Completion(tokens, tuple(float(x) for x in lps))
+        reason = _one(model, forged, sampling)
+        fooled += reason is None
+        assert reason is None or "implausibly unlikely" in reason
+    assert fooled == 0
+
+
+def test_tokens_outside_top_k_or_not_the_argmax_when_greedy_are_refused() -> None:
+    model = _peaked_model()
+    prompt = (1, 2, 3)
+    for sampling in (Sampling(temperature=1.0, max_tokens=6, top_k=1),
+                     Sampling(temperature=0.0, max_tokens=6)):
+        good = _honest(model, prompt, sampling, 1)
+        assert _one(model, good, sampling) is None
+        tokens = (*good.token_ids[:2], (good.token_ids[2] + 1) % CFG.vocab_size,
+                  *good.token_ids[3:])
+        [logits] = recompute(model, prompt, [Completion(tokens, (0.0,) * 6)])
+        lps = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        bad = Completion(tokens, tuple(float(x) for x in lps))
+        assert "outside what the sampling settings allow" in (_one(model, bad, sampling) or "")
+
+
+HONEST_RUNS = 40
+
+
+def test_no_honest_completion_is_refused_in_many_runs() -> None:
+    """``HONEST_RUNS`` tasks of 4 completions each, sampled by the peer's engine from a
+    bf16 policy and checked by the trainer's recomputation: 0 refused."""
+    state = inference_state(build_model(CFG), "bfloat16")
+    model = model_from_state(CFG, state, torch.bfloat16).eval()
+    engine = TorchEngine(model_from_state(CFG, state, torch.bfloat16).eval())
+    check = LogprobCheck(lambda v: model, TOLERANCES["bfloat16"])
+    worst = 0.0
+    for run in range(HONEST_RUNS):
+        sampling = Sampling(temperature=1.0, max_tokens=12, seed=run,
+                            top_p=0.9 if run % 2 else 1.0, top_k=8 if run % 3 == 0 else 0)
+        prompt = [1 + run % 5, 2, 3 + run % 7]
+        comps = tuple(engine.generate([prompt] * 4, sampling))
+        res = Result(RUN, b"L" * 16, 1, (TaskResult(run, comps),), 1000,
+                     b"r" * 32).sign(ALICE)
+        tasks = {run: RolloutTask(run, "p", tuple(prompt), 4, sampling)}
+        assert check(CheckInput(res, tasks, b"r" * 32)) is None
+        worst = max(worst, *(m.max_abs for m in check.seen))
+    assert math.isfinite(worst) and worst <= TOLERANCES["bfloat16"].max_abs
