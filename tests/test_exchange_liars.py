@@ -14,11 +14,13 @@ import pytest
 from swarm.content.ids import chunk_id, domain_hash
 from swarm.content.manifest import MAX_CHUNKS
 from swarm.protocol.exchange import (
+    MAX_OVER_ALLOWANCE,
     MAX_UNKNOWN_BITS,
     MAX_UNKNOWN_OBJECTS,
     Exchange,
     ExchangeConfig,
     ObjectSpec,
+    PeerDropped,
     PeerPenalized,
     PeerTimedOut,
 )
@@ -152,21 +154,44 @@ def test_a_liar_that_serves_nothing_is_snubbed_scored_and_dropped(
     assert "unanswered" in lines[0].getMessage()
 
 
-def test_huge_have_summaries_for_unknown_objects_are_bounded_and_scored() -> None:
+def test_huge_have_summaries_for_unknown_objects_are_bounded_scored_and_dropped() -> None:
     core = Exchange("me", region="r")
     core.connect("them", 0.0, region="r")
     full = Bitfield(b"", MAX_CHUNKS, b"\xff" * (MAX_CHUNKS // 8))
-    for rep in range(3):  # repeated, as in the attack
-        for i in range(MAX_UNKNOWN_OBJECTS):
-            obj = domain_hash("fake", (rep * 100 + i).to_bytes(4, "little"))
-            core.receive_bytes("them", encode(Bitfield(obj, full.count, full.bits)), 0.0)
-            core.receive_bytes("them", encode(Have(obj, MAX_CHUNKS - 1)), 0.0)
+
+    def fake(i: int) -> bytes:
+        return domain_hash("fake", i.to_bytes(4, "little"))
+
+    core.receive_bytes("them", encode(Bitfield(fake(0), full.count, full.bits)), 0.0)
+    core.receive_bytes("them", encode(Have(fake(0), MAX_CHUNKS - 1)), 0.0)
+    # the first message past the allowance: nothing of it kept, scored, still a neighbour
     p = core._peers["them"]
-    remembered = sum(len(s) for s in p.haves.values())
-    assert remembered <= MAX_UNKNOWN_BITS  # was 8 * 2^18 = 2 Mi ints, about 250 MB
-    assert "them" in core.neighbours and "them" not in core.banned
-    penalties = [e for e in core.take_events() if isinstance(e, PeerPenalized)]
-    assert [e.peer for e in penalties] == ["them"]  # scored, once per connection
+    assert sum(len(s) for s in p.haves.values()) <= MAX_UNKNOWN_BITS  # was 8 * 2^18 ints
+    assert "them" in core.neighbours
+    assert [(type(e), e.peer) for e in core.take_events()] == [(PeerPenalized, "them")]
+    for rep in range(3):  # the rest of the flood, repeated, as in the attack
+        for i in range(MAX_UNKNOWN_OBJECTS):
+            obj = fake(rep * 100 + i + 1)
+            core.receive_bytes("them", encode(Bitfield(obj, full.count, full.bits)), 0.0)
+    # the MAX_OVER_ALLOWANCE-th: dropped, not banned (its transport scores it; one that
+    # reconnects starts a new count)
+    assert MAX_OVER_ALLOWANCE == 3
+    assert "them" not in core.neighbours and "them" not in core.banned
+    events = core.take_events()
+    assert [(type(e), e.peer) for e in events] == [(PeerDropped, "them")]
+    assert "3 have messages past the allowance" in events[0].reason
+    core.connect("them", 1.0, region="r")
+    assert core._peers["them"].over_allowance == 0
+
+
+def test_the_trainer_is_not_scored_for_haves_of_versions_not_known_here() -> None:
+    core = Exchange("me", region="r")
+    core.connect("trainer", 0.0, region="r", trainer=True)
+    for i in range(2 * MAX_OVER_ALLOWANCE):
+        obj = domain_hash("kept", i.to_bytes(4, "little"))
+        core.receive_bytes("trainer", encode(Bitfield(obj, MAX_CHUNKS,
+                                                      b"\xff" * (MAX_CHUNKS // 8))), 0.0)
+    assert "trainer" in core.neighbours and not core.take_events()
 
 
 def test_small_haves_of_unknown_objects_are_kept_and_not_scored() -> None:

@@ -84,6 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chaos-liar", action="store_true",
                    help="chaos: announce every chunk and serve none (other peers must time "
                         "this one out and drop it)")
+    p.add_argument("--chaos-flood-haves", action="store_true",
+                   help="chaos: send every neighbour, twice a second, have summaries of 8 "
+                        "made-up objects of 2^18 chunks with every bit set (other peers "
+                        "must bound them, score this one and drop it)")
     p.add_argument("--chaos-cheat", choices=CHEAT_STRATEGIES, default=None, metavar="STRATEGY",
                    help="chaos: return completions the trainer's checks must refuse: "
                         f"{', '.join(CHEAT_STRATEGIES)} (--engine torch)")
@@ -158,6 +162,8 @@ async def _main(args: argparse.Namespace) -> int:
             if args.corrupt:
                 peer.driver.corrupt_uploads = True
             peer.driver.lie_about_chunks = args.chaos_liar
+            if args.chaos_flood_haves:
+                peer.driver.flood_haves()
             watch = asyncio.create_task(_watch(peer, net, args, report))
             closed = asyncio.create_task(peer.closed.wait())
             try:

@@ -56,6 +56,7 @@ from swarm.protocol.exchange_msgs import (
 )
 from swarm.protocol.exchange_state import ObjectState, PeerState
 from swarm.protocol.exchange_types import (
+    MAX_OVER_ALLOWANCE,
     MAX_UNKNOWN_BITS,
     MAX_UNKNOWN_OBJECTS,
     Chunk,
@@ -65,6 +66,7 @@ from swarm.protocol.exchange_types import (
     ObjectComplete,
     ObjectSpec,
     PeerBanned,
+    PeerDropped,
     PeerPenalized,
     PeerTimedOut,
     Verifier,
@@ -73,6 +75,7 @@ from swarm.protocol.exchange_types import (
 from swarm.protocol.exchange_upload import UploadSide
 
 __all__ = [
+    "MAX_OVER_ALLOWANCE",
     "MAX_UNKNOWN_BITS",
     "MAX_UNKNOWN_OBJECTS",
     "Chunk",
@@ -83,6 +86,7 @@ __all__ = [
     "ObjectComplete",
     "ObjectSpec",
     "PeerBanned",
+    "PeerDropped",
     "PeerPenalized",
     "PeerTimedOut",
     "Verifier",
@@ -389,12 +393,12 @@ class Exchange(DownloadSide, UploadSide):
                 # the bits are unpacked: a full summary of 2^18 bits is 16 MB of set)
                 room = MAX_UNKNOWN_BITS - p.unknown_bits + len(old)
                 if int.from_bytes(msg.bits, "little").bit_count() > room:
-                    self._over_allowance(p)
+                    self._over_allowance(p, now)
                     return
                 idxs = indices_of(msg.bits, msg.count)
                 new = old | idxs
                 if len(new) > room:
-                    self._over_allowance(p)
+                    self._over_allowance(p, now)
                     return
                 p.unknown_bits += len(new) - len(old)
                 p.haves[msg.obj] = new
@@ -447,7 +451,7 @@ class Exchange(DownloadSide, UploadSide):
             return
         elif p.unknown_bits >= MAX_UNKNOWN_BITS:
             if idx not in p.haves.get(obj, ()):
-                self._over_allowance(p)
+                self._over_allowance(p, now)
             return
         s = p.haves.get(obj)
         if s is None:
@@ -529,13 +533,22 @@ class Exchange(DownloadSide, UploadSide):
         log.info("%s: penalizing %s: %s", self.me, p.peer, reason)
         self._events.append(PeerPenalized(p.peer, reason))
 
-    def _over_allowance(self, p: PeerState) -> None:
+    def _over_allowance(self, p: PeerState, now: float) -> None:
         """``p`` announced more chunks of objects unknown here than we remember: they are
-        dropped, and it is scored once a connection (not the trainer: it keeps many
+        not kept; the first time in a connection it is scored, the
+        :data:`MAX_OVER_ALLOWANCE`-th it is dropped (not the trainer: it keeps many
         versions and is trusted)."""
-        if not p.over_allowance and not p.trainer:
-            p.over_allowance = True
+        if p.trainer:
+            return
+        p.over_allowance += 1
+        if p.over_allowance == 1:
             self._penalize(p, f"haves of unknown objects past {MAX_UNKNOWN_BITS} chunks")
+        elif p.over_allowance >= MAX_OVER_ALLOWANCE:
+            reason = (f"{p.over_allowance} have messages past the allowance of "
+                      f"{MAX_UNKNOWN_BITS} chunks of unknown objects")
+            log.info("%s: dropping neighbour %s: %s", self.me, p.peer, reason)
+            self._events.append(PeerDropped(p.peer, reason))
+            self.disconnect(p.peer, now)
 
     def _ban(self, peer: str, reason: str, now: float) -> None:
         if peer in self._banned:

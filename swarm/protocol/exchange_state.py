@@ -69,8 +69,9 @@ class PeerState:
     """Requests it let time out since it last delivered a piece."""
     unknown_bits: int = 0
     """Chunk indices remembered from it for objects not known here (MAX_UNKNOWN_BITS)."""
-    over_allowance: bool = False
-    """It was scored for haves past the allowance (once a connection)."""
+    over_allowance: int = 0
+    """Messages of it past that allowance (scored at the first, dropped at
+    MAX_OVER_ALLOWANCE)."""
     key: int = 0
     tie: int = 0
     """``key`` mixed with our salt: breaks ties between equal delivery estimates."""

@@ -21,6 +21,10 @@ MAX_UNKNOWN_OBJECTS = 8
 #: bounded by the decoder (``MAX_CHUNKS_PER_OBJECT``, the manifest's ``MAX_CHUNKS``); a
 #: real delta of 1 MiB chunks has this many chunks only at 64 GiB.
 MAX_UNKNOWN_BITS = 1 << 16
+#: Messages past that allowance (summaries or haves of unknown objects) after which a
+#: neighbour is dropped (the first one scores it; an honest node sends none: it announces
+#: only versions it holds, and those fit).
+MAX_OVER_ALLOWANCE = 3
 
 
 def blake3_verifier(cid: bytes, data: Chunk) -> bool:
@@ -146,6 +150,16 @@ class PeerTimedOut:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerDropped:
+    """A neighbour kept breaking a bound of the exchange (haves of unknown objects past
+    the allowance, :data:`MAX_OVER_ALLOWANCE` times): it was dropped, and the driver
+    hangs up on it and scores it down (reconnecting and doing it again gets it banned)."""
+
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class PeerPenalized:
     """A neighbour misbehaved in a way that costs it score but not (yet) its connection:
     haves past an allowance, requests it advertised and never served. The driver scores
@@ -155,5 +169,6 @@ class PeerPenalized:
     reason: str
 
 
-Event = ChunkStored | ObjectComplete | PeerBanned | PeerTimedOut | PeerPenalized
+Event = (ChunkStored | ObjectComplete | PeerBanned | PeerTimedOut | PeerDropped
+         | PeerPenalized)
 

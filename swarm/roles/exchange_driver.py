@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Mapping
 
+from swarm.content.ids import DIGEST_LEN
 from swarm.net.transport import Message, PeerUnreachable, TransportClosed
 from swarm.protocol.exchange import (
     Chunk,
@@ -22,10 +24,11 @@ from swarm.protocol.exchange import (
     ObjectComplete,
     ObjectSpec,
     PeerBanned,
+    PeerDropped,
     PeerPenalized,
     PeerTimedOut,
 )
-from swarm.protocol.exchange_msgs import Bitfield, Piece, Reject, encode
+from swarm.protocol.exchange_msgs import MAX_CHUNKS_PER_OBJECT, Bitfield, Piece, Reject, encode
 from swarm.protocol.exchange_msgs import Message as ExchangeMessage
 from swarm.roles.mux import Channel, Mux
 
@@ -33,6 +36,11 @@ log = logging.getLogger(__name__)
 
 # Control messages queued for one neighbour before the core loop waits for its sender.
 MAX_CONTROL_BACKLOG = 4096
+#: Chaos (``flood_haves``): made-up objects summarised to every neighbour each round,
+#: each of the most chunks a summary can name, every bit set (32 KiB a summary).
+FLOOD_OBJECTS = 8
+#: Chaos: seconds between two rounds of the flood.
+FLOOD_PERIOD = 0.5
 
 
 class _Link:
@@ -81,6 +89,25 @@ class ExchangeDriver:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._links.clear()
+
+    def flood_haves(self, period: float = FLOOD_PERIOD) -> None:
+        """Chaos switch for demos and tests: every ``period`` seconds, for as long as the
+        driver runs, send every neighbour summaries of :data:`FLOOD_OBJECTS` made-up
+        objects (new ones each round) of ``MAX_CHUNKS_PER_OBJECT`` chunks, every bit set
+        (a have-summary flood: neighbours must bound what they keep, score this node and
+        drop it). A round is skipped for a neighbour whose link has not sent the last."""
+        self._tasks.append(asyncio.create_task(self._flood(period), name="chaos flood"))
+
+    async def _flood(self, period: float) -> None:
+        bits = _all_set(MAX_CHUNKS_PER_OBJECT)
+        while True:
+            fakes = [Bitfield(os.urandom(DIGEST_LEN), MAX_CHUNKS_PER_OBJECT, bits)
+                     for _ in range(FLOOD_OBJECTS)]
+            for link in self._links.values():
+                if len(link.control) < FLOOD_OBJECTS:
+                    link.control.extend(fakes)
+                    link.wake.set()
+            await asyncio.sleep(period)
 
     # -- what the role calls -----------------------------------------------------------
     @property
@@ -157,6 +184,10 @@ class ExchangeDriver:
         elif isinstance(ev, PeerPenalized):
             # scored, not dropped: the core keeps or drops it; a low score bans it
             self.mux.transport.penalize(ev.peer, ev.reason, disconnect=False)
+        elif isinstance(ev, PeerDropped):
+            # hung up on and scored: one that reconnects and does it again gets banned
+            log.info("dropped %s: %s", ev.peer, ev.reason)
+            self.mux.transport.penalize(ev.peer, ev.reason)
         elif isinstance(ev, PeerTimedOut):
             log.info("neighbour %s timed out", ev.peer)
         if self._on_event is not None:

@@ -56,6 +56,7 @@ from swarm.protocol.exchange import (
     ExchangeConfig,
     ObjectSpec,
     PeerBanned,
+    PeerDropped,
     PeerTimedOut,
 )
 from swarm.protocol.follow import (
@@ -273,7 +274,7 @@ class RolloutPeer(NodeBase):
         elif isinstance(ev, PeerBanned):
             self.bans.append((ev.peer, ev.reason))
             self._status("banned", {"peer": ev.peer, "reason": ev.reason})
-        elif isinstance(ev, PeerTimedOut):
+        elif isinstance(ev, PeerTimedOut | PeerDropped):
             self._status("dropped", {"peer": ev.peer, "reason": ev.reason})
 
     # -- restarts ----------------------------------------------------------------------

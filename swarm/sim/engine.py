@@ -29,6 +29,7 @@ from swarm.protocol.exchange import (
     ObjectComplete,
     ObjectSpec,
     PeerBanned,
+    PeerDropped,
     PeerTimedOut,
 )
 from swarm.protocol.exchange_msgs import Message, Piece
@@ -279,6 +280,8 @@ class SwarmSim:
                 self._drop_link(i, self._index[ev.peer])
             elif isinstance(ev, PeerTimedOut):
                 self.timeouts += 1
+                self._drop_link(i, self._index[ev.peer])
+            elif isinstance(ev, PeerDropped):
                 self._drop_link(i, self._index[ev.peer])
 
     def _drop_link(self, i: int, j: int) -> None:
