@@ -21,3 +21,16 @@ def test_libp2p_records_are_forwarded_under_swarm_net(caplog: pytest.LogCaptureF
     assert ("swarm.net.libp2p.libp2p.network", "DEBUG", "stream chatter") in names
     forwarded = [n for n in names if n[0].startswith("swarm.net.libp2p.")]
     assert sum(1 for n in forwarded if n[2] == "queue full for t") == 1
+
+
+def test_yamux_reading_a_connection_closed_here_is_not_an_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every refused reconnection of a banned peer made yamux log an ERROR."""
+    with caplog.at_level(logging.DEBUG, logger="swarm.net.libp2p"):
+        route_libp2p_logging()
+        log = logging.getLogger("libp2p.stream_muxer.yamux.yamux")
+        log.error("Error in handle_incoming for peer 12D3KooWx: ClosedResourceError: ")
+        log.error("Error in handle_incoming for peer 12D3KooWx: ValueError: odd")
+    levels = {r.getMessage().split(": ")[1]: r.levelname for r in caplog.records
+              if r.name.startswith("swarm.net.libp2p.")}
+    assert levels == {"ClosedResourceError": "DEBUG", "ValueError": "ERROR"}

@@ -18,6 +18,9 @@ Two things it takes care of:
   failures themselves. They are counted, not forwarded: one WARNING line under
   ``swarm.net.libp2p`` sums them up at most every :data:`DIAL_SUMMARY_S` seconds (each
   one is still forwarded at DEBUG).
+- yamux logs an ERROR ("Error in handle_incoming ... ClosedResourceError") whenever a
+  connection this node closed itself is read once more: every refused reconnection of
+  a banned peer printed one. It is forwarded at DEBUG.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ DIAL_SUMMARY_S = 60.0
 _DIAL_FAILED = ("Failed to open TCP stream", "Unexpected error opening TCP stream",
                 # a stream to a peer whose connection just broke (a peer gone away)
                 "Failed to open stream to peer", "MultiselectClient handshake")
+_CLOSED_HERE = ("Error in handle_incoming for peer", "ClosedResourceError")
 
 
 class _DialFailures:
@@ -78,6 +82,9 @@ class _Forward(logging.Handler):
             summary = _DIALS.add(record)
             if summary is not None:
                 logging.getLogger(PREFIX).warning("%s", summary)
+            level = logging.DEBUG
+        elif level >= logging.ERROR and isinstance(record.msg, str) \
+                and record.msg.startswith(_CLOSED_HERE[0]) and _CLOSED_HERE[1] in record.msg:
             level = logging.DEBUG
         target = logging.getLogger(f"{PREFIX}.{record.name}")
         if target.isEnabledFor(level):
