@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 from swarm.demo.model import TinyModelConfig, build_model, inference_state, model_from_state
 from swarm.engines import CHEAT_STRATEGIES
 from swarm.engines.cheater import CheatingEngine
-from swarm.engines.rollout_check import TOLERANCES, LogprobCheck, recompute
+from swarm.engines.rollout_check import TOLERANCES, LogprobCheck, ReplayCheck, recompute
 from swarm.engines.torch_engine import TorchEngine
 from swarm.errors import SignatureError
 from swarm.identity import Identity
@@ -69,9 +70,11 @@ class Policies:
 
     def __init__(self) -> None:
         self.models: dict[int, torch.nn.Module] = {}
+        self.engines: dict[int, TorchEngine] = {}
 
     def add(self, version: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self.models[version] = model_from_state(CFG, state, torch.bfloat16).eval()
+        self.engines[version] = TorchEngine(self.models[version])  # type: ignore[arg-type]
         return state
 
 
@@ -83,13 +86,15 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
     master = build_model(CFG)
     policies = Policies()
     check = LogprobCheck(policies.models.get, TOLERANCES["bfloat16"])
+    replay = ReplayCheck(policies.engines.get, 1.0 if strategy == "cherry-pick" else 0.5,
+                         seed=5)
     cheater = Identity.from_seed(b"C" * 32)
     counted: dict[int, int] = {}
     async with contextlib.AsyncExitStack() as stack:
         tnet = await stack.enter_async_context(net.transport(TRAINER))
         trainer = await stack.enter_async_context(TrainerNode(
             TRAINER, tnet, TrainerConfig(run=RUN, data_dir=tmp_path, piece_size=PIECE),
-            checks=[check]))
+            checks=[check, replay]))
         await trainer.publish(policies.add(0, inference_state(master)))
         for i, ident in enumerate((Identity.from_seed(b"1" * 32),
                                    Identity.from_seed(b"2" * 32), cheater)):
@@ -104,7 +109,7 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
                 inference_state(build_model(CFG)), engine))  # type: ignore[arg-type]
         for step in range(1, steps + 1):
             tasks = trainer.add_tasks([(f"s{step}-{k}", [1, 2 + k, 3]) for k in range(6)],
-                                      group_size=2, sampling=SAMPLING)
+                                      group_size=2, sampling=replace(SAMPLING, seed=step))
             accepted = await trainer.collect(len(tasks), timeout=60)
             assert {r.task_id for a in accepted for r in a.results} >= \
                 {t.task_id for t in tasks}
@@ -117,6 +122,7 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
         async with asyncio.timeout(30):
             while not trainer._to_check.empty() or trainer._checking:
                 await asyncio.sleep(0.05)
+        assert replay.replayed > 0
         return trainer, counted, cheater.peer_id
 
 
@@ -207,17 +213,23 @@ def test_root_check_refuses_other_weights_and_unknown_versions() -> None:
     assert "no longer kept" in (RootCheck()(_input(res, root=None)) or "")
 
 
-def test_copy_check_refuses_a_completion_seen_for_another_task_only() -> None:
+def test_copy_check_refuses_a_completion_returned_for_another_prompt_only() -> None:
     check = CopyCheck(min_tokens=4)
-    tokens = (5, 6, 7, 8, 9)
-    assert check(_input(_result(1, tokens, (-1.0,) * 5, task_id=1))) is None
-    # the same task again (a backup lease with the same seed) is not a copy
-    assert check(_input(_result(1, tokens, (-1.0,) * 5, task_id=1))) is None
-    assert "copied from task 1" in (check(_input(_result(1, tokens, (-1.0,) * 5,
-                                                          task_id=2))) or "")
-    assert check(_input(_result(1, tokens[:3], (-1.0,) * 3, task_id=3))) is None  # too short
-    greedy = Sampling(temperature=0.0, max_tokens=8)
-    assert check(_input(_result(1, tokens, (-1.0,) * 5, task_id=4), sampling=greedy)) is None
+    tokens, lps = (5, 6, 7, 8, 9), (-1.0, -0.5, -0.25, -2.0, -1.5)
+
+    def seen(task_id: int, prompt: tuple[int, ...], logprobs: tuple[float, ...] = lps,
+             toks: tuple[int, ...] = tokens) -> str | None:
+        res = _result(1, toks, logprobs, task_id=task_id)
+        return check(CheckInput(res, {task_id: RolloutTask(task_id, "p", prompt, 1, SAMPLING)},
+                                b"r" * 32))
+
+    assert seen(1, (1, 2, 3)) is None
+    # the same prompt again (a backup lease, a repeated prompt) is not a copy
+    assert seen(2, (1, 2, 3)) is None
+    # the same tokens for another prompt, with that prompt's log-probs: not a copy
+    assert seen(3, (4, 5, 6), logprobs=(-1.1, -0.5, -0.25, -2.0, -1.5)) is None
+    assert "copied from task 1" in (seen(4, (4, 5, 6)) or "")
+    assert seen(5, (7, 8, 9), toks=tokens[:3], logprobs=lps[:3]) is None  # too short
 
 
 def _peaked_model() -> torch.nn.Module:

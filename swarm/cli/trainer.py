@@ -34,6 +34,7 @@ from swarm.cli._node import (
     shaped,
     stop_on_signals,
 )
+from swarm.errors import SwarmError
 
 if TYPE_CHECKING:
     from swarm.content.card import SignedCard
@@ -70,13 +71,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chaos: SIGKILL this process once step STEP is written to DATA_DIR, "
                         "before it is announced (to test restarts)")
     p.add_argument("--no-rollout-checks", action="store_true",
-                   help="count results without recomputing their log-probs (trusted peers "
-                        "only; the weight-root and copy checks stay on)")
+                   help="count results without recomputing their log-probs or replaying "
+                        "any (trusted peers only; the weight-root and copy checks stay on)")
+    p.add_argument("--replay-fraction", type=float, default=0.1, metavar="F",
+                   help="replay this seeded fraction of tasks with their sampling seed and "
+                        "refuse results whose tokens differ (0: none)")
     p.add_argument("--addr-file", type=Path, default=None,
                    help="write this node's full multiaddr to FILE once listening")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.replay_fraction <= 1.0:
+        raise SwarmError(f"--replay-fraction must be in [0, 1], not {args.replay_fraction:g}")
     return run_node(_main, args)
 
 
@@ -92,8 +98,9 @@ async def _main(args: argparse.Namespace) -> int:
         train_step,
     )
     from swarm.demo.model import build_model, inference_state
-    from swarm.engines.rollout_check import TOLERANCES, LogprobCheck
+    from swarm.engines.rollout_check import TOLERANCES, LogprobCheck, ReplayCheck
     from swarm.net.node import Libp2pNode
+    from swarm.protocol.checks import Check
     from swarm.protocol.leases import Sampling
     from swarm.roles.trainer import TrainerConfig, TrainerNode
 
@@ -108,8 +115,10 @@ async def _main(args: argparse.Namespace) -> int:
     # max_staleness 1: results use the latest version or the one before; one more is kept
     # for results checked while the next version is being published
     policies = Policies(cfg, keep=3)
-    checks = [] if args.no_rollout_checks else [
-        LogprobCheck(policies.model_for, TOLERANCES[cfg.inference_dtype])]
+    checks: list[Check] = [] if args.no_rollout_checks else [
+        LogprobCheck(policies.model_for, TOLERANCES[cfg.inference_dtype]),
+        ReplayCheck(policies.engine_for, args.replay_fraction,
+                    seed=int.from_bytes(os.urandom(8), "little"))]
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
             shaped(raw, args) as net, TrainerNode(identity, net, TrainerConfig(
             run=args.run, data_dir=args.data_dir, region=args.region,
@@ -214,6 +223,7 @@ class Policies:
         self.cfg = cfg
         self.keep = keep
         self._models: dict[int, Any] = {}
+        self._engines: dict[int, Any] = {}
 
     def add(self, version: int, state: dict[str, Any]) -> dict[str, Any]:
         """Keep ``version``'s ``state`` (returned, for publishing); forget the oldest."""
@@ -226,10 +236,19 @@ class Policies:
         self._models[version] = model.eval()
         for old in sorted(self._models)[:-self.keep]:
             del self._models[old]
+            self._engines.pop(old, None)
         return state
 
     def model_for(self, version: int) -> Any:
         return self._models.get(version)
+
+    def engine_for(self, version: int) -> Any:
+        """A torch engine over ``version``'s policy, as a torch peer runs it (replays)."""
+        from swarm.engines.torch_engine import TorchEngine
+
+        if version not in self._engines and version in self._models:
+            self._engines[version] = TorchEngine(self._models[version])
+        return self._engines.get(version)
 
 
 class Rejections:

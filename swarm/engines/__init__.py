@@ -46,7 +46,7 @@ _TENSOR_DOMAIN = b"swarm/engine/tensor/v1\0"
 
 
 #: How :class:`swarm.engines.cheater.CheatingEngine` can cheat (``swarm peer --chaos-cheat``).
-CHEAT_STRATEGIES = ("random", "fake-logprobs", "stale", "other-model", "copy")
+CHEAT_STRATEGIES = ("random", "fake-logprobs", "stale", "other-model", "copy", "cherry-pick")
 
 
 class EngineUpdateError(LocalProtocolError):

@@ -10,7 +10,10 @@ completions the trainer must not count. Strategies:
 - ``other-model``: generates with other weights (a copy of the first ones plus noise, which
   no update reaches);
 - ``copy``: returns completions it produced for an earlier prompt (as a peer copying
-  another peer's answers would).
+  another peer's answers would);
+- ``cherry-pick``: draws several completions per prompt under other seeds and returns the
+  most likely one, with its true log-probs: plausible under the policy, but not the
+  seeded sample (only a replay shows it).
 
 The strategies are :data:`swarm.engines.CHEAT_STRATEGIES`.
 """
@@ -18,6 +21,7 @@ The strategies are :data:`swarm.engines.CHEAT_STRATEGIES`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
@@ -72,12 +76,21 @@ class CheatingEngine:
                                (lp,) * sampling.max_tokens) for _ in prompts]
         if self.strategy == "copy":
             return [self._copied(tuple(p), sampling) for p in prompts]
+        if self.strategy == "cherry-pick":
+            return self._cherry_picked(prompts, sampling)
         out = (self._other or self.inner).generate(prompts, sampling)
         if self.strategy == "fake-logprobs":
             out = [Completion(c.token_ids, tuple(-self._rng.uniform(0.0, 2.0)
                                                  for _ in c.logprobs), c.finish_reason)
                    for c in out]
         return out
+
+    def _cherry_picked(self, prompts: Sequence[Sequence[int]], sampling: Sampling
+                       ) -> list[Completion]:
+        draws = [self.inner.generate(prompts, sampling if j == 0 else dataclasses.replace(
+            sampling, seed=((sampling.seed or 0) + 7919 * j) % (1 << 62))) for j in range(4)]
+        return [max((d[i] for d in draws), key=lambda c: sum(c.logprobs))
+                for i in range(len(prompts))]
 
     def _copied(self, prompt: tuple[int, ...], sampling: Sampling) -> Completion:
         """An answer given to another prompt, when there is one (else an honest one,

@@ -29,8 +29,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import blake3
 import torch
 
+from swarm.engines import RolloutEngine
 from swarm.protocol.checks import CheckInput
 from swarm.protocol.leases import Completion, Sampling
 
@@ -184,4 +186,50 @@ class LogprobCheck:
                 if v.z < tol.z_min:
                     return (f"{where}: tokens implausibly unlikely under the sampling "
                             f"settings (z = {v.z:.1f} < {tol.z_min:g})")
+        return None
+
+
+class ReplayCheck:
+    """Spot checks by replay: a seeded fraction of tasks is generated again by the trainer,
+    with the task's own sampling seed, on an engine of the peer's class; a deterministic
+    engine (torch on one CPU kind) must give the same tokens exactly. This catches what
+    log-probs cannot: completions that are plausible under the policy but not the seeded
+    sample, such as the best of several draws picked for its reward.
+
+    ``engine_for(version)`` returns such an engine holding ``version``'s weights (``None``:
+    not kept, the task is not replayed). Which tasks are replayed depends on ``seed``, which
+    peers do not know. Tasks without a sampling seed cannot be replayed.
+    """
+
+    name = "replay"
+
+    def __init__(self, engine_for: Callable[[int], RolloutEngine | None], fraction: float,
+                 *, seed: int = 0) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError("fraction is in [0, 1]")
+        self.engine_for = engine_for
+        self.fraction = fraction
+        self.seed = seed
+        self.replayed = 0
+
+    def chosen(self, task_id: int) -> bool:
+        h = blake3.blake3(f"{self.seed}/{task_id}".encode()).digest(8)
+        return int.from_bytes(h, "little") < self.fraction * (1 << 64)
+
+    def __call__(self, inp: CheckInput) -> str | None:
+        res = inp.result
+        for tr in res.results:
+            task = inp.tasks.get(tr.task_id)
+            if task is None or task.sampling.seed is None or not self.chosen(tr.task_id):
+                continue
+            engine = self.engine_for(res.version)
+            if engine is None:
+                continue
+            again = engine.generate([list(task.prompt_tokens)] * task.group_size,
+                                    task.sampling)
+            self.replayed += 1
+            for k, (mine, theirs) in enumerate(zip(again, tr.completions, strict=True)):
+                if mine.token_ids != theirs.token_ids:
+                    return (f"task {tr.task_id} completion {k}: replayed with its seed under "
+                            f"version {res.version}, the tokens differ")
         return None

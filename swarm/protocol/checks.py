@@ -17,6 +17,7 @@ log-prob and plausibility checks that run the policy are
 
 from __future__ import annotations
 
+import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,36 +57,38 @@ class RootCheck:
 
 
 class CopyCheck:
-    """No completion may repeat one already returned for *another* task: a peer copying
-    completions (its own earlier ones, or another peer's) instead of generating. The same
-    task sampled with the same seed gives the same tokens legitimately (a backup lease), so
-    only other tasks count; completions shorter than ``min_tokens`` or of greedy tasks are
-    not remembered (honest peers repeat those). Every completion checked is remembered,
-    whatever the later checks say (a copy of a refused result is a copy too); at most
-    ``capacity`` are kept."""
+    """No completion may repeat, token for token *and* log-prob for log-prob, one already
+    returned for another prompt: a peer copying completions (its own earlier ones, or
+    another peer's) instead of generating. Log-probs depend on the prompt, so an honest
+    engine gives another prompt other log-probs even when it samples the same tokens (a
+    converged policy, or one seed shared by many tasks, does that); the same prompt again
+    (a backup lease, a repeated prompt) is not a copy. Completions shorter than
+    ``min_tokens`` are not compared. Every completion checked is remembered, whatever the
+    later checks say (a copy of a refused result is a copy too); at most ``capacity``."""
 
     name = "copy"
 
-    def __init__(self, *, min_tokens: int = 8, capacity: int = 1 << 16) -> None:
+    def __init__(self, *, min_tokens: int = 4, capacity: int = 1 << 16) -> None:
         self.min_tokens = min_tokens
         self.capacity = capacity
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._seen: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
 
     def __call__(self, inp: CheckInput) -> str | None:
         failed: str | None = None
         for tr in inp.result.results:
             task = inp.tasks.get(tr.task_id)
-            if task is None or task.sampling.greedy:
+            if task is None:
                 continue
+            prompt = blake3.blake3(array.array("I", task.prompt_tokens).tobytes()).digest()
             for comp in tr.completions:
                 if len(comp.token_ids) < self.min_tokens:
                     continue
-                key = blake3.blake3(b"".join(t.to_bytes(4, "little")
-                                             for t in comp.token_ids)).digest()
-                other = self._seen.setdefault(key, tr.task_id)
-                self._seen.move_to_end(key)
-                if other != tr.task_id and failed is None:
-                    failed = f"task {tr.task_id}: a completion copied from task {other}"
+                h = blake3.blake3(array.array("I", comp.token_ids).tobytes())
+                h.update(array.array("d", comp.logprobs).tobytes())
+                task_id, seen_prompt = self._seen.setdefault(h.digest(), (tr.task_id, prompt))
+                self._seen.move_to_end(h.digest())
+                if seen_prompt != prompt and failed is None:
+                    failed = f"task {tr.task_id}: a completion copied from task {task_id}"
         while len(self._seen) > self.capacity:
             self._seen.popitem(last=False)
         return failed
