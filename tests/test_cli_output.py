@@ -173,15 +173,19 @@ def test_a_wrong_trainer_id_is_said_and_status_json_stays_json(tmp_path: Path) -
     with cluster(tmp_path) as c:
         t = c.start("trainer", "trainer", "--data-dir", "t", "--steps", "1", "--linger", "60",
                     "--prompts", "4", "--group", "2")
-        addr = str(t.wait_event("ready", 90)["addr"])
+        ready = t.wait_event("ready", 90)
+        addr, trainer_id = str(ready["addr"]), str(ready["peer_id"])
         p = c.start("p", "peer", "--bootstrap", addr, "--trainer", OTHER_ID, "--data-dir", "p",
                     "--warn-after", "3")
         ev = p.wait_event("no_card", 60)
+        # the trainer it reached is named: its card was served, signed by another key
         assert ev["trainer"] == OTHER_ID and ev["connected"] is False
+        assert ev["signers"] == [trainer_id]
         deadline = time.monotonic() + 5  # stderr is a file the test reads back
         while "check that --trainer" not in p.stderr and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "no run card from trainer" in p.stderr and "check that --trainer" in p.stderr
+        assert f"saw run cards signed by {trainer_id}" in p.stderr
         assert all(line.startswith("{") for line in p.stdout_lines + t.stdout_lines)
 
 

@@ -44,6 +44,22 @@ def test_manifest_validator_accepts_only_the_trainer() -> None:
     assert not ok(TRAINER.peer_id, b"\xc1garbage")
 
 
+def test_the_manifest_validator_notes_other_signers_whose_signature_holds() -> None:
+    others = topics.OtherSigners(limit=2)
+    ok = topics.manifest_validator(TRAINER.public_key, others=others)
+    assert ok(TRAINER.peer_id, signed_manifest(TRAINER)) and others.ids == []
+    assert not ok(PEER.peer_id, signed_manifest(PEER))
+    assert not ok(TRAINER.peer_id, signed_manifest(PEER))  # the same signer, once
+    forged = bytearray(signed_manifest(Identity.from_seed(bytes([9]) * 32)))
+    forged[-1] ^= 1  # a bad signature names no one
+    assert not ok(PEER.peer_id, bytes(forged))
+    assert not ok(PEER.peer_id, b"\xc1garbage")
+    assert others.ids == [PEER.peer_id]
+    for seed in (10, 11, 12):  # bounded: the first `limit` signers
+        assert not ok(PEER.peer_id, signed_manifest(Identity.from_seed(bytes([seed]) * 32)))
+    assert others.ids == [PEER.peer_id, Identity.from_seed(bytes([10]) * 32).peer_id]
+
+
 def test_envelopes_bind_signer_topic_and_body() -> None:
     topic = topics.have("r")
     env = topics.SignedEnvelope.seal(PEER, topic, b"have: 1,2,3")

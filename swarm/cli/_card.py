@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.content.card import MAX_CARD_BYTES, SignedCard
-from swarm.errors import SwarmError
+from swarm.errors import SignatureError, SwarmError
 from swarm.identity import public_key_from_peer_id
+from swarm.net.topics import OtherSigners
 from swarm.net.transport import PeerUnreachable
 
 if TYPE_CHECKING:
@@ -47,11 +48,13 @@ def keep_card(data_dir: Path | None, card: SignedCard) -> None:
 
 async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: Path | None,
                       timeout: float, say: Callable[[str], None],
-                      warn: Callable[[str, bool], None], warn_after: float) -> SignedCard:
+                      warn: Callable[[str, bool, list[str]], None], warn_after: float
+                      ) -> SignedCard:
     """The run's card, signed by ``trainer_id``: kept in ``data_dir``, else asked of the
     trainer and of connected neighbours until one answers with a valid card. ``warn``
-    gets one line (and whether the trainer is connected) once none came within
-    ``warn_after`` seconds.
+    gets one line, whether the trainer is connected and the other trainers whose valid
+    cards neighbours served (a wrong ``--trainer``?) once none came within ``warn_after``
+    seconds. A valid card of another trainer is noted, not held against who served it.
 
     :raises NoCard: none within ``timeout`` seconds.
     """
@@ -63,6 +66,7 @@ async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: P
     said = start
     warned = False
     tried: dict[str, str] = {}
+    others = OtherSigners()
     attempt = 0
     while True:  # until a card, or the timeout
         await _dial_trainer(net, trainer_id)
@@ -76,6 +80,15 @@ async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: P
                 card = SignedCard.decode(data, trusted_signer=trainer, run=run)
             except PeerUnreachable as exc:
                 tried[peer] = str(exc)
+                continue
+            except SignatureError as exc:
+                other = _other_signer(data, trainer)
+                if other is not None:
+                    others.add(other)
+                    tried[peer] = f"serves the card of trainer {other}"
+                else:
+                    tried[peer] = f"sent a bad card: {exc}"
+                    net.penalize(peer, f"bad run card: {exc}")
                 continue
             except SwarmError as exc:
                 tried[peer] = f"sent a bad card: {exc}"
@@ -98,13 +111,25 @@ async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: P
                 why = (f"it is not connected ({len(net.connected_peers())} other peer(s) "
                        "are): check that --trainer is the id the trainer prints at start, "
                        "and --bootstrap")
+            if others.ids:
+                why += f"; saw run cards signed by {', '.join(others.ids)}"
             warn(f"no run card from trainer {trainer_id} within {warn_after:.0f} s; {why}",
-                 here)
+                 here, others.ids)
         elif now - said >= 10:
             said = now
             say(f"waiting for the run card from trainer {trainer_id} ({now - start:.0f} s)")
         await asyncio.sleep(min(1.0, 0.1 * 2 ** min(attempt, 4)))
         attempt += 1
+
+
+def _other_signer(data: bytes, trainer: bytes) -> str | None:
+    """The peer id of who signed card ``data``, if that is not ``trainer`` and its
+    signature verifies."""
+    try:
+        card = SignedCard.decode(data)
+    except SwarmError:
+        return None
+    return None if card.card.signer == trainer else card.card.signer_peer_id
 
 
 async def _dial_trainer(net: Libp2pNode, trainer_id: str) -> None:

@@ -133,9 +133,9 @@ async def _main(args: argparse.Namespace) -> int:
         signed = await obtain_card(raw, trainer_id=args.trainer, run=args.run,
                                    data_dir=args.data_dir, timeout=args.card_timeout,
                                    say=report.say, warn_after=max(0.1, args.warn_after),
-                                   warn=lambda line, here: _warn(
+                                   warn=lambda line, here, signers: _warn(
                                        report, "no_card", line, trainer=args.trainer,
-                                       connected=here))
+                                       connected=here, signers=signers))
         card = signed.card
         # Before any weights: an architecture this engine lacks, a missing extra, or too
         # little memory is said here, as one error line.
@@ -321,9 +321,13 @@ async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
                 others = len(net.connected_peers())
                 why = (f"it is not connected ({others} other peer(s) are): check that "
                        "--trainer is the id the trainer prints at start, and --bootstrap")
+            signers = peer.other_signers.ids
+            if signers:
+                why += f"; saw manifests signed by {', '.join(signers)}"
             _warn(report, "no_manifest",
                   f"no manifest from trainer {args.trainer} within {every:.0f} s; {why}",
-                  trainer=args.trainer, seconds=round(now - start, 1), connected=here)
+                  trainer=args.trainer, seconds=round(now - start, 1), connected=here,
+                  signers=signers)
         if here:
             if lost_since is not None and peer.verified > 0 and now - lost_since >= every:
                 report.say(f"trainer reachable again after {now - lost_since:.0f} s")

@@ -17,7 +17,9 @@ publisher's key, which is also its swarm identity), and a validator that runs be
 message is delivered or forwarded, so a message failing it never propagates:
 
 - manifests: ``SignedManifest.decode(data, trusted_signer=<trainer key named at start>)``
-  must succeed; any other signer, a bad signature, or malformed bytes are dropped;
+  must succeed; any other signer, a bad signature, or malformed bytes are dropped (the
+  first :data:`MAX_OTHER_SIGNERS` other signers of validly signed manifests are noted in
+  :class:`OtherSigners`, for a warning about a wrong trainer id to name them);
 - have / peers / leases: the envelope's signature must verify *and* its signer must be
   the libp2p source of the message (no relaying someone else's claims under your name),
   within the topic's size bound (have summaries :data:`MAX_HAVE_BYTES`, lease envelopes
@@ -77,6 +79,8 @@ _RUN_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _META_KEYS = frozenset({"v", "addrs", "data", "region", "bw", "time"})
 MAX_ADDRS = 8
 MAX_ADDR_LEN = 200
+#: Other signers a node notes having seen (see :class:`OtherSigners`).
+MAX_OTHER_SIGNERS = 8
 
 
 def _check_run(run: str) -> str:
@@ -178,18 +182,59 @@ class PeerMetadata:
                    strict.get_int(m, "time", 0, 1 << 62))
 
 
-def manifest_validator(trusted_signer: bytes) -> Callable[[str, bytes], bool]:
-    """Accept only manifests signed by ``trusted_signer`` (the trainer's public key)."""
+class OtherSigners:
+    """Peer ids of the keys, other than the one trusted, that validly signed a manifest
+    or run card this node was sent: the first ``limit`` distinct ones, in order seen (a
+    peer given the wrong ``--trainer`` says whose it saw). An id is added only once its
+    signature verified, so a forger cannot put names in the warning."""
+
+    def __init__(self, limit: int = MAX_OTHER_SIGNERS) -> None:
+        self.limit = limit
+        self._ids: dict[str, None] = {}
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._ids)
+
+    def wants(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` would be added (new, and room left): check this before
+        verifying a signature for it."""
+        return peer_id not in self._ids and len(self._ids) < self.limit
+
+    def add(self, peer_id: str) -> None:
+        if self.wants(peer_id):
+            self._ids[peer_id] = None
+
+
+def manifest_validator(trusted_signer: bytes, *, others: OtherSigners | None = None
+                       ) -> Callable[[str, bytes], bool]:
+    """Accept only manifests signed by ``trusted_signer`` (the trainer's public key);
+    note in ``others`` who signed the valid manifests of other keys."""
 
     def validate(source: str, data: bytes) -> bool:
         try:
             SignedManifest.decode(data, trusted_signer=trusted_signer)
         except RemoteProtocolError as exc:
             logger.info("dropped manifest gossip from %s: %s", source, exc)
+            if others is not None and isinstance(exc, SignatureError):
+                _note_signer(data, trusted_signer, others)
             return False
         return True
 
     return validate
+
+
+def _note_signer(data: bytes, trusted_signer: bytes, others: OtherSigners) -> None:
+    """Add the signer of manifest ``data`` to ``others`` if it is another key than
+    ``trusted_signer`` and its signature verifies (a signature check only for a signer
+    not noted yet, while ``others`` has room)."""
+    try:
+        sm = SignedManifest.decode(data, check_signature=False)
+    except RemoteProtocolError:
+        return
+    signer = sm.manifest.signer_peer_id
+    if sm.manifest.signer != trusted_signer and others.wants(signer) and sm.verify():
+        others.add(signer)
 
 
 def envelope_validator(topic: str, *, allowed_signers: frozenset[bytes] | None = None,

@@ -161,6 +161,8 @@ class RolloutPeer(NodeBase):
         self.verified = 0
         self.verify_failures = 0
         self.bans: list[tuple[str, str]] = []
+        #: Who else signed valid manifests on the run's topic (a wrong --trainer?).
+        self.other_signers = topics.OtherSigners()
         #: The version restored from ``data_dir`` at start (-1: none).
         self.resumed_version = -1
         self.leases = PeerLeases(identity, self.trainer_key, config.run)
@@ -201,7 +203,8 @@ class RolloutPeer(NodeBase):
             self.follower = self._new_follower()
             await self.start(self._on_exchange_event)
             sub = await self.net.subscribe(topics.manifests(self.config.run),
-                                           topics.manifest_validator(self.trainer_key))
+                                           topics.manifest_validator(
+                                               self.trainer_key, others=self.other_signers))
             self.spawn(self._manifest_feed(sub), "manifest feed")
             self.spawn(self._sync_inbox(), "sync inbox")
             self.spawn(self._follow(), "follow versions")
