@@ -85,6 +85,9 @@ def test_a_vllm_peer_follows_every_version_and_its_engine_holds_the_verified_wei
     finally:
         db.close()
     assert counted, "the trainer counted no result of the vLLM peer"
+    # ... after its checks: the vLLM peer's log-probs are within vLLM's tolerance of the
+    # trainer's torch recomputation, and no honest result was refused
+    assert not t.of("rejected"), t.of("rejected")
     sent = {r["lease"]: r["tasks"] for r in results}
     for lease_id, n in counted:  # a task counts once: another peer's may have come first
         assert 0 < n <= sent[bytes(lease_id).hex()[:12]]

@@ -250,7 +250,7 @@ def _honest(model: torch.nn.Module, prompt: tuple[int, ...], sampling: Sampling,
 
 
 def _one(model: torch.nn.Module, comp: Completion, sampling: Sampling) -> str | None:
-    check = LogprobCheck(lambda v: model, TOLERANCES["float32"])
+    check = LogprobCheck(lambda v: model, TOLERANCES["float32"]["torch"])
     res = Result(RUN, b"L" * 16, 1, (TaskResult(0, (comp,)),), 1000, b"r" * 32).sign(ALICE)
     return check(_input(res, sampling=sampling))
 
@@ -306,8 +306,31 @@ def test_no_honest_completion_is_refused_in_many_runs() -> None:
         prompt = [1 + run % 5, 2, 3 + run % 7]
         comps = tuple(engine.generate([prompt] * 4, sampling))
         res = Result(RUN, b"L" * 16, 1, (TaskResult(run, comps),), 1000,
-                     b"r" * 32).sign(ALICE)
+                     b"r" * 32, engine.kind).sign(ALICE)
         tasks = {run: RolloutTask(run, "p", tuple(prompt), 4, sampling)}
         assert check(CheckInput(res, tasks, b"r" * 32)) is None
         worst = max(worst, *(m.max_abs for m in check.seen))
-    assert math.isfinite(worst) and worst <= TOLERANCES["bfloat16"].max_abs
+    assert math.isfinite(worst) and worst <= TOLERANCES["bfloat16"]["torch"].max_abs
+
+
+def test_tolerances_and_replays_follow_the_engine_class_a_result_names() -> None:
+    """A vLLM peer's log-probs get vLLM's tolerance and are not replayed on torch (it samples
+    otherwise); an engine class without a calibrated tolerance is refused."""
+    model = _peaked_model()
+    comp = _honest(model, (1, 2, 3), SAMPLING, 3)
+    check = LogprobCheck(lambda v: model, TOLERANCES["float32"])
+    replay = ReplayCheck(lambda v: TorchEngine(model), 1.0)  # type: ignore[arg-type]
+    sampling = replace(SAMPLING, seed=3)
+    for engine, refused in (("torch", None), ("vllm", None), ("other", "no calibrated")):
+        res = Result(RUN, b"L" * 16, 1, (TaskResult(0, (comp,)),), 1000, b"r" * 32,
+                     engine).sign(ALICE)
+        why = check(_input(res, sampling=sampling))
+        assert (why is None) if refused is None else (refused in (why or "")), (engine, why)
+        assert replay(_input(res, sampling=sampling)) is None
+    assert replay.replayed == 1  # the torch result only
+    # a result whose tokens are not what its seed gives, from a torch peer: refused
+    other = _honest(model, (1, 2, 3), SAMPLING, 4)
+    if other.token_ids != comp.token_ids:
+        res = Result(RUN, b"L" * 16, 1, (TaskResult(0, (other,)),), 1000, b"r" * 32,
+                     "torch").sign(ALICE)
+        assert "tokens differ" in (replay(_input(res, sampling=sampling)) or "")

@@ -31,6 +31,8 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "codec": ("swarm.bench.codec", "delta codec size and speed vs baselines and memcpy"),
         "transport": ("swarm.bench.transport", "data plane vs py-libp2p streams vs raw TCP"),
         "e2e": ("swarm.bench.e2e", "trainer and peer processes over shaped links, per version"),
+        "checks": ("swarm.bench.checks",
+                   "the trainer's rollout checks: honest vs cheating gaps, refusals, cost"),
     },
 }
 

@@ -64,6 +64,11 @@ def request_seed(sampling: Sampling, index: int) -> int | None:
 class RolloutEngine(Protocol):
     """A model that generates rollouts and takes verified weight updates in place."""
 
+    kind: str
+    """The engine's class (``"torch"``, ``"vllm"``): results name it, since engines of one
+    class agree on log-probs closer than others (the trainer's tolerance) and reproduce
+    one another's seeded samples (its replays)."""
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
         """One completion per prompt, in order. Prompts are token ids."""
         ...

@@ -9,8 +9,8 @@ completions the trainer must not count. Strategies:
   while it says the current one;
 - ``other-model``: generates with other weights (a copy of the first ones plus noise, which
   no update reaches);
-- ``copy``: returns completions it produced for an earlier prompt (as a peer copying
-  another peer's answers would);
+- ``copy``: returns completions of other prompts (as a peer copying another peer's
+  answers would);
 - ``cherry-pick``: draws several completions per prompt under other seeds and returns the
   most likely one, with its true log-probs: plausible under the policy, but not the
   seeded sample (only a replay shows it).
@@ -41,6 +41,7 @@ class CheatingEngine:
         if strategy not in CHEAT_STRATEGIES:
             raise LocalProtocolError(f"cheat strategy is one of {', '.join(CHEAT_STRATEGIES)}")
         self.inner = inner
+        self.kind = inner.kind
         self.strategy = strategy
         self.vocab_size = vocab_size
         self._rng = random.Random(seed)
@@ -93,14 +94,16 @@ class CheatingEngine:
                 for i in range(len(prompts))]
 
     def _copied(self, prompt: tuple[int, ...], sampling: Sampling) -> Completion:
-        """An answer given to another prompt, when there is one (else an honest one,
-        remembered to copy later)."""
+        """An answer given to another prompt: one it answered before, else an answer to a
+        prompt of its own making (the same one with the last token changed)."""
         others = [k for k in self._answers if k != prompt]
-        if others:
-            return self._rng.choice(self._answers[self._rng.choice(others)])
-        comp = self.inner.generate([list(prompt)], sampling)[0]
-        self._answers.setdefault(prompt, []).append(comp)
-        return comp
+        if not others:
+            decoy = (*prompt[:-1], (prompt[-1] + 1) % self.vocab_size)
+            self._answers[decoy] = self.inner.generate([list(decoy)], sampling)
+            others = [decoy]
+        answer = self._rng.choice(self._answers[self._rng.choice(others)])
+        self._answers.setdefault(prompt, []).append(answer)
+        return answer
 
     def apply(self, update: Mapping[str, torch.Tensor]) -> None:
         self._late_apply("dense", {k: v.clone() for k, v in update.items()})

@@ -31,6 +31,7 @@ class CheckedEngine:
     def __init__(self, inner: RolloutEngine, state: Mapping[str, torch.Tensor],
                  report: Report) -> None:
         self.inner = inner
+        self.kind = inner.kind
         self._state = state
         self._report = report
         self.checks = 0

@@ -77,6 +77,8 @@ class TorchEngine:
     rollout boundary).
     """
 
+    kind = "torch"
+
     def __init__(self, model: PreTrainedModel, *, max_batch: int = 16) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")

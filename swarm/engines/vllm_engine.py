@@ -118,6 +118,8 @@ class VLLMEngine:
         not hold in that shape, or weights vLLM repacked so they cannot be written.
     """
 
+    kind = "vllm"
+
     def __init__(self, config: VLLMEngineConfig) -> None:
         self._config = config
         self._closed = True

@@ -137,7 +137,7 @@ class LeasedWork:
             self._status("lease_lost", {"lease": lease.lease_id.hex()[:12]})
             return
         res = self.leases.result(lease.lease_id, version, results, self.clock.wall(),
-                                 root=root)
+                                 root=root, engine=self.engine.kind)
         await self._send(res.encode())
         self._held_changed.set()
         self.tasks_done += len(results)

@@ -50,6 +50,7 @@ MAX_SEED = (1 << 63) - 1
 MAX_STOP_TOKENS = 256
 MAX_TEMPERATURE = 100.0
 ROOT_LEN = 32
+MAX_ENGINE_LEN = 32
 NO_ROOT = b"\0" * ROOT_LEN
 """The weight root of a result that does not name one (the trainer's checks refuse it)."""
 
@@ -606,6 +607,8 @@ class Result(_Signed):
     time_ms: int
     root: bytes = NO_ROOT
     """The state root of the weights that generated it (the version's, for an honest peer)."""
+    engine: str = ""
+    """The class of engine that generated it (``"torch"``, ``"vllm"``; at most 32 chars)."""
     signer: bytes = b"\0" * PUBLIC_KEY_LEN
     signature: bytes = b""
     _body: bytes | None = field(default=None, init=False, compare=False, repr=False)
@@ -617,6 +620,8 @@ class Result(_Signed):
             raise ValueError(f"a result covers 1..{MAX_TASKS_PER_LEASE} tasks")
         if len(self.root) != ROOT_LEN:
             raise ValueError(f"root is {ROOT_LEN} bytes")
+        if len(self.engine) > MAX_ENGINE_LEN:
+            raise ValueError(f"engine is at most {MAX_ENGINE_LEN} characters")
         _check_key("signer", self.signer)
 
     @property
@@ -637,7 +642,7 @@ class Result(_Signed):
     def _fields(self) -> dict[str, Any]:
         return {"run": self.run, "lease": self.lease_id, "version": self.version,
                 "results": [r.to_wire() for r in self.results], "time": self.time_ms,
-                "root": self.root}
+                "root": self.root, "engine": self.engine}
 
     def sign(self, identity: Identity) -> Result:
         return _sign(self, identity)
@@ -653,6 +658,7 @@ class Result(_Signed):
                    tuple(TaskResult.from_wire(r) for r in rows),
                    strict.get_int(m, "time", 0, MAX_TIME_MS),
                    strict.get_bytes(m, "root", ROOT_LEN),
+                   strict.get_str(m, "engine", MAX_ENGINE_LEN),
                    strict.get_bytes(m, "signer", PUBLIC_KEY_LEN))
 
 
@@ -737,7 +743,7 @@ _BODY_KEYS: Mapping[str, frozenset[str]] = {
                         "k", "issued", "expires", "grace"}),
     "heartbeat": frozenset({"v", "signer", "run", "lease", "done", "time"}),
     "result": frozenset({"v", "signer", "run", "lease", "version", "results", "time",
-                         "root"}),
+                         "root", "engine"}),
     "verdict": frozenset({"v", "signer", "run", "subject", "lease", "reason", "accepted",
                           "expires", "detail", "time", "result"}),
 }
