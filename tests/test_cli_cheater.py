@@ -19,35 +19,35 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 STEPS = 4
 
 
-@pytest.mark.parametrize("strategy", CHEAT_STRATEGIES)
-def test_a_cheating_peer_is_refused_and_an_honest_one_is_not(tmp_path: Path,
-                                                              strategy: str) -> None:
+def test_every_cheating_peer_is_refused_and_the_honest_one_is_not(tmp_path: Path) -> None:
+    """One cheater per strategy, side by side with one honest peer, in one run; every task
+    is replayed (a cherry-picker is caught only on the tasks replays pick)."""
     with cluster(tmp_path) as c:
         c.bootstrap()
-        # replays catch a cherry-picker only on the tasks they pick: replay them all
-        replay = "1" if strategy == "cherry-pick" else "0.1"
-        t = c.trainer("--steps", str(STEPS), "--min-peers", "2", "--prompts", "8",
-                      "--group", "4", "--replay-fraction", replay)
+        t = c.trainer("--steps", str(STEPS), "--min-peers", str(1 + len(CHEAT_STRATEGIES)),
+                      "--prompts", "16", "--group", "4", "--replay-fraction", "1")
         honest = c.peer("p0", region="r1")
-        cheater = c.peer("cheater", "--chaos-cheat", strategy, region="r1")
-        cheater_id = str(cheater.wait_event("ready", 60)["peer_id"])
+        cheaters = {s: c.peer(f"cheat-{s}", "--chaos-cheat", s, region="r1")
+                    for s in CHEAT_STRATEGIES}
+        ids = {s: str(p.wait_event("ready", 60)["peer_id"]) for s, p in cheaters.items()}
         honest_id = str(honest.wait_event("ready", 60)["peer_id"])
         t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= STEPS, 240,
                    f"step {STEPS}")
-        done = t.wait_event("done", 60)
-        checks = done["checks"]
+        checks = t.wait_event("done", 60)["checks"]
         assert honest_id not in checks["rejected"], checks
-        assert checks["rejected"].get(cheater_id, 0) >= 1, checks
-        counted = dict(checks["accepted"].get(cheater_id, {}))
-        if strategy == "stale":  # one version late is right at version 0
-            counted.pop("0", None)
-        assert counted == {}, f"{strategy}: cheating results counted: {checks}"
         assert checks["accepted"].get(honest_id), checks
-        rejected = [e for e in t.of("rejected") if e["peer"] == cheater_id]
-        assert rejected and all(e["reason"] for e in rejected)
-        # the cheater is told, with the reason
-        told = cheater.wait_event("rejected", 30)
-        assert told["reason"] in {e["reason"] for e in rejected}
+        reasons = {e["reason"] for e in t.of("rejected")}
+        for strategy, peer_id in ids.items():
+            counted = dict(checks["accepted"].get(peer_id, {}))
+            if strategy == "stale":  # one version late is right at version 0
+                counted.pop("0", None)
+            assert counted == {}, f"{strategy}: cheating results counted: {checks}"
+            # it did work, and was told why it was refused
+            if checks["rejected"].get(peer_id):
+                told = cheaters[strategy].wait_event("rejected", 30)
+                assert told["reason"] in reasons
+        tried = [s for s, peer_id in ids.items() if checks["rejected"].get(peer_id)]
+        assert len(tried) >= len(CHEAT_STRATEGIES) - 1, (tried, checks)
         honest.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= STEPS, 60,
                         f"verified {STEPS}")
         assert sorted({int(e["version"]) for e in honest.of("verified")}) == \
