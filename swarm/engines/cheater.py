@@ -24,15 +24,16 @@ import copy
 import dataclasses
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from swarm.engines import CHEAT_STRATEGIES, Completion, RolloutEngine, Sampling
+from swarm.engines.wrapper import EngineWrapper
 from swarm.errors import LocalProtocolError
 
 
-class CheatingEngine:
+class CheatingEngine(EngineWrapper):
     """``inner`` (a :class:`~swarm.engines.torch_engine.TorchEngine` for ``other-model``),
     cheating by ``strategy``; seeded, so a test sees the same lies every run."""
 
@@ -40,8 +41,7 @@ class CheatingEngine:
                  seed: int = 0) -> None:
         if strategy not in CHEAT_STRATEGIES:
             raise LocalProtocolError(f"cheat strategy is one of {', '.join(CHEAT_STRATEGIES)}")
-        self.inner = inner
-        self.kind = inner.kind
+        super().__init__(inner)
         self.strategy = strategy
         self.vocab_size = vocab_size
         self._rng = random.Random(seed)
@@ -124,12 +124,3 @@ class CheatingEngine:
             self.inner.apply(update)  # type: ignore[arg-type]
         else:
             self.inner.apply_sparse(update)  # type: ignore[arg-type]
-
-    def tensor_names(self) -> list[str]:
-        return self.inner.tensor_names()
-
-    def tensor_digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
-        return self.inner.tensor_digests(names)
-
-    def close(self) -> None:
-        self.inner.close()

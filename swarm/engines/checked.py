@@ -13,25 +13,25 @@ is an operator's check, not the default.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 
-from swarm.engines import Completion, EngineUpdateError, RolloutEngine, Sampling, weights_digest
+from swarm.engines import EngineUpdateError, RolloutEngine, weights_digest
 from swarm.engines.tensors import digest_of
+from swarm.engines.wrapper import EngineWrapper
 
 #: ``report(fields)``: called after every check with what it found.
 Report = Callable[[dict[str, object]], None]
 
 
-class CheckedEngine:
+class CheckedEngine(EngineWrapper):
     """``inner``, checked against ``state`` (the peer's canonical state, which it patches
     in place) after every update."""
 
     def __init__(self, inner: RolloutEngine, state: Mapping[str, torch.Tensor],
                  report: Report) -> None:
-        self.inner = inner
-        self.kind = inner.kind
+        super().__init__(inner)
         self._state = state
         self._report = report
         self.checks = 0
@@ -66,15 +66,3 @@ class CheckedEngine:
         t0 = time.perf_counter()
         self.inner.apply_sparse(update)
         self.check(len(update), time.perf_counter() - t0)
-
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[Completion]:
-        return self.inner.generate(prompts, sampling)
-
-    def tensor_names(self) -> list[str]:
-        return self.inner.tensor_names()
-
-    def tensor_digests(self, names: Iterable[str] | None = None) -> dict[str, bytes]:
-        return self.inner.tensor_digests(names)
-
-    def close(self) -> None:
-        self.inner.close()
