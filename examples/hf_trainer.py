@@ -66,7 +66,7 @@ async def main(model_dir: Path, *, steps: int, listen: str, linger: float, promp
                 [(f"{step}-{i}", ids) for i, ids in enumerate(encode_prompts(tokenizer, texts))],
                 group_size=group, sampling=Sampling(max_tokens=task.max_new_tokens, seed=step,
                                                     stop_token_ids=stop))
-            accepted = await node.collect(len(tasks))
+            accepted = await node.collect(tasks)  # only these tasks, checked
             results = {r.task_id: r for a in accepted for r in a.results}
             groups = [[Rollout(tuple(t.prompt_tokens), tuple(c.token_ids), tuple(c.logprobs))
                        for c in results[t.task_id].completions] for t in tasks]

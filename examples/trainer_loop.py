@@ -49,7 +49,7 @@ async def main(steps: int = 10, listen: str = "/ip4/127.0.0.1/tcp/4002",
                                    group_size=cfg.group_size,
                                    sampling=Sampling(max_tokens=cfg.task.completion_len,
                                                      seed=step))
-            results = {r.task_id: r for a in await node.collect(len(tasks)) for r in a.results}
+            results = {r.task_id: r for a in await node.collect(tasks) for r in a.results}
             groups = [[Rollout(t.prompt_tokens, c.token_ids, c.logprobs)  # c: a Completion
                        for c in results[t.task_id].completions] for t in tasks]
             rewards = [[cfg.task.reward(c.prompt, c.tokens) for c in g] for g in groups]

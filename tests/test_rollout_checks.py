@@ -28,6 +28,7 @@ from swarm.identity import Identity
 from swarm.net.memory import LinkProfile, MemoryNetwork
 from swarm.protocol.checks import CheckInput, CopyCheck, RootCheck
 from swarm.protocol.leases import (
+    Accepted,
     Completion,
     LeaseConfig,
     LeaseState,
@@ -334,3 +335,30 @@ def test_tolerances_and_replays_follow_the_engine_class_a_result_names() -> None
         res = Result(RUN, b"L" * 16, 1, (TaskResult(0, (other,)),), 1000, b"r" * 32,
                      "torch").sign(ALICE)
         assert "tokens differ" in (replay(_input(res, sampling=sampling)) or "")
+
+
+async def test_collect_of_a_steps_tasks_returns_theirs_and_keeps_later_results_of_others(
+        tmp_path: Path) -> None:
+    """A result checked late (an earlier step's) does not take the place of the step's own:
+    collect(tasks) returns exactly those tasks' results, and keeps the others for the
+    collect that names them."""
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=1)
+    async with net.transport(TRAINER) as tnet, TrainerNode(
+            TRAINER, tnet, TrainerConfig(run=RUN, data_dir=tmp_path)) as trainer:
+        old = trainer.add_tasks([("old", [1, 2])], group_size=1, sampling=SAMPLING)
+        new = trainer.add_tasks([("a", [1, 3]), ("b", [1, 4])], group_size=1,
+                                sampling=SAMPLING)
+
+        def accepted(*ids: int) -> Accepted:
+            return Accepted(b"L" * 16, ALICE.peer_id, 0, tuple(
+                TaskResult(i, (Completion((1,), (-1.0,)),)) for i in ids))
+
+        for acc in (accepted(old[0].task_id, new[0].task_id), accepted(new[1].task_id)):
+            trainer._accepted.put_nowait(acc)
+        got = await trainer.collect(new, timeout=5)
+        assert sorted(r.task_id for a in got for r in a.results) == \
+            sorted(t.task_id for t in new)
+        late = await trainer.collect(old, timeout=5)
+        assert [r.task_id for a in late for r in a.results] == [old[0].task_id]
+        with pytest.raises(TimeoutError):
+            await trainer.collect(old, timeout=0.2)

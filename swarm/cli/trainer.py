@@ -166,7 +166,7 @@ async def _main(args: argparse.Namespace) -> int:
             tasks = node.add_tasks([(f"s{step}-{i}", p) for i, p in enumerate(prompts)],
                                    group_size=cfg.group_size, sampling=sampling)
             prompt_of = {t.task_id: tuple(t.prompt_tokens) for t in tasks}
-            accepted = await node.collect(len(tasks), timeout=args.step_timeout)
+            accepted = await node.collect(tasks, timeout=args.step_timeout)
             t1 = time.perf_counter()
             rejected.count(accepted)
             by_task = {r.task_id: r for a in accepted for r in a.results

@@ -5,8 +5,8 @@ Library use (any torch model; ``inference_state`` is the state peers run, e.g. b
     async with TrainerNode(identity, net, TrainerConfig(run="my-run", data_dir=d)) as node:
         await node.publish(inference_state)           # version 0: a keyframe
         for step in range(1, n):
-            node.add_tasks(prompts, group_size=8)
-            batch = await node.collect(len(prompts))  # accepted, signed results
+            tasks = node.add_tasks(prompts, group_size=8)
+            batch = await node.collect(tasks)         # accepted, signed, checked
             train(batch)
             await node.publish(inference_state)       # version step: a sparse delta
 
@@ -21,6 +21,7 @@ the next :meth:`TrainerNode.publish` is a delta from the restored state.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -166,6 +167,8 @@ class TrainerNode(NodeBase):
         self._root: bytes | None = None
         self._keyframe: SignedManifest | None = None
         self._accepted: asyncio.Queue[Accepted] = asyncio.Queue()
+        #: Accepted results a collect() for other tasks passed over, oldest first.
+        self._stray: deque[Accepted] = deque(maxlen=4096)
         #: Checks every result passes before it counts (:mod:`swarm.protocol.checks`), the
         #: cheap ones first: the weight root, copies, then the caller's (e.g. log-probs).
         self.checks: list[Check] = [RootCheck(), CopyCheck(), *checks]
@@ -335,21 +338,56 @@ class TrainerNode(NodeBase):
         self._lease_wake.set()
         return tasks
 
-    async def collect(self, n_tasks: int, timeout: float | None = None) -> list[Accepted]:
-        """Wait until results for ``n_tasks`` tasks were accepted; returns them.
+    async def collect(self, tasks: int | Sequence[RolloutTask],
+                      timeout: float | None = None) -> list[Accepted]:
+        """Wait for accepted results (signed, counted once, passed the checks).
+
+        ``tasks``: the tasks :meth:`add_tasks` returned: wait until each has its result,
+        and return only theirs (results of other tasks, such as an earlier step's that
+        passed their checks late, wait for the call that names them). Or a count: the
+        next results covering that many tasks, whichever they are.
 
         :raises TimeoutError: ``timeout`` seconds passed first.
         :raises NodeFailed: the node stopped first (a task of it failed: the cause is
             chained).
         """
+        if isinstance(tasks, int):
+            return await self._collect_any(tasks, timeout)
+        want = {t.task_id for t in tasks}
+        out: list[Accepted] = []
+
+        def take(acc: Accepted) -> None:
+            mine = tuple(r for r in acc.results if r.task_id in want)
+            rest = tuple(r for r in acc.results if r.task_id not in want)
+            if mine:
+                out.append(dataclasses.replace(acc, results=mine))
+                want.difference_update(r.task_id for r in mine)
+            if rest:
+                self._keep_stray(dataclasses.replace(acc, results=rest))
+
+        for _ in range(len(self._stray)):  # those passed over before, once each
+            take(self._stray.popleft())
+        async with asyncio.timeout(timeout):
+            while want:
+                take(await self.wait(self._accepted.get()))
+        return out
+
+    async def _collect_any(self, n_tasks: int, timeout: float | None) -> list[Accepted]:
         out: list[Accepted] = []
         got = 0
         async with asyncio.timeout(timeout):
             while got < n_tasks:
-                acc = await self.wait(self._accepted.get())
+                acc = self._stray.popleft() if self._stray else \
+                    await self.wait(self._accepted.get())
                 out.append(acc)
                 got += len(acc.results)
         return out
+
+    def _keep_stray(self, acc: Accepted) -> None:
+        if len(self._stray) == self._stray.maxlen:
+            log.warning("dropping %d accepted result(s) no collect() asked for",
+                        len(self._stray[0].results))
+        self._stray.append(acc)
 
     async def _lease_loop(self) -> None:
         while True:
