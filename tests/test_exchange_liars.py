@@ -80,9 +80,9 @@ class Links:
                     self.send(now, name, dst, piece)
             self.events.extend((name, e) for e in core.take_events())
 
-    def run_until(self, done: object, limit: float) -> float:
-        """Deliver messages and fire timers until ``done()`` or ``limit``; the time."""
-        now = 0.0
+    def run_until(self, done: object, limit: float, now: float = 0.0) -> float:
+        """Deliver messages and fire timers from ``now`` until ``done()`` or ``limit``;
+        the time."""
         self.flush(now)
         while now < limit and not done():  # type: ignore[operator]
             timers = [(t, n) for n, c in self.nodes.items()
@@ -152,6 +152,36 @@ def test_a_liar_that_serves_nothing_is_snubbed_scored_and_dropped(
     lines = [r for r in caplog.records if "liar" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     assert "unanswered" in lines[0].getMessage()
+
+
+def test_a_liar_beaten_by_a_faster_source_still_strikes_out() -> None:
+    """The honest holder delivers every chunk before a request to the liar times out:
+    cancelled then (as a loser in the endgame), the liar's requests never timed out and it
+    stayed a neighbour forever. On probation until it delivers, its requests run to their
+    time-out instead: dropped within a few versions, each as fast as without it."""
+    net = Links(rate=4e6)
+    honest = Exchange("honest", seed=1, config=ExchangeConfig(unchoke_all=True))
+    me = Exchange("me", seed=2, config=ExchangeConfig(request_timeout=1.0))
+    net.nodes = {"honest": honest, "me": me}
+    net.liars.add("liar")
+    for a, b in (("me", "honest"), ("honest", "me"), ("me", "liar")):
+        net.nodes[a].connect(b, 0.0, rtt=2 * net.latency)
+    me.receive("liar", Unchoke(), 0.0)
+    now, took = 0.0, []
+    for version in range(8):
+        spec, chunks = make_object(32, seed=10 + version)  # 2 MiB: 0.5 s from honest
+        honest.add_object(spec, now, dict(enumerate(chunks)))
+        me.add_object(spec, now)
+        if "liar" in me.neighbours:
+            me.receive("liar", Bitfield(spec.obj, 32, b"\xff" * 4), now)
+        start = now
+        now = net.run_until(lambda s=spec: me.is_complete(s.obj), now + 30.0, now)
+        assert [me.chunk(spec.obj, i) for i in range(32)] == chunks
+        took.append(now - start)
+    events = [e for who, e in net.events if who == "me"]
+    assert [e.peer for e in events if isinstance(e, PeerTimedOut)] == ["liar"]
+    assert "liar" not in me.neighbours
+    assert max(took) < 1.0, took  # never a time-out's wait: the honest holder was asked
 
 
 def test_huge_have_summaries_for_unknown_objects_are_bounded_scored_and_dropped() -> None:

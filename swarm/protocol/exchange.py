@@ -18,7 +18,10 @@ region, then the estimated delivery time), with cross-region imports spread over
 region by rendezvous rank and the trainer as source of last resort; upload slots with
 choke/unchoke and an optimistic unchoke; super-seeding on the trainer; a neighbour that
 serves a chunk whose BLAKE3 id does not match is banned and its requests go elsewhere; a
-neighbour that stops answering times out and, after a few strikes, is dropped.
+neighbour that stops answering times out and, after a few strikes, is dropped (until it
+has delivered, its requests are not withdrawn when another source is faster, so one that
+announces and never serves does strike out); one that keeps sending haves of unknown
+objects past a small allowance is dropped.
 
 The parts: :mod:`~swarm.protocol.exchange_types` (specs, config, events),
 :mod:`~swarm.protocol.exchange_state` (per-object and per-neighbour state),
@@ -516,7 +519,8 @@ class Exchange(DownloadSide, UploadSide):
         for other in o.inflight.pop(msg.index, {}):
             if other != p.peer:
                 q = self._peers.get(other)
-                if q is not None and q.out.pop(key, None) is not None:
+                if q is not None and not self._on_probation(q) \
+                        and q.out.pop(key, None) is not None:
                     self._out.append((other, Cancel(msg.obj, msg.index)))
         have = Have(msg.obj, msg.index)
         self._out.extend((q, have) for q in self._peers)
@@ -527,6 +531,17 @@ class Exchange(DownloadSide, UploadSide):
             log.debug("%s: object %s complete at %.3f", self.me[:8], msg.obj.hex()[:8], now)
         self._update_interest(now)
         self._pick(now)
+
+    @staticmethod
+    def _on_probation(q: PeerState) -> bool:
+        """Whether ``q`` has yet to show it serves what it announces: nothing delivered
+        over this connection, or nothing since a request of it timed out (never the
+        trainer). Its requests are not cancelled when another source delivers first:
+        they run until delivered (wasting one piece of an honest, slow neighbour's
+        upload, once) or timed out (a strike). Cancelled whenever another source was
+        faster, a neighbour that announces every chunk and serves none would never strike
+        out."""
+        return not q.trainer and (not q.bytes_from or q.strikes > 0)
 
     def _penalize(self, p: PeerState, reason: str) -> None:
         """Score ``p`` down (the driver carries it out) but keep it."""
