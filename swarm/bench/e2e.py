@@ -42,24 +42,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import resource
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarm.errors import SwarmError
+from swarm.bench.procs import MB, BenchError, SwarmChild, say, stop_children, workdir
 
 if TYPE_CHECKING:
     from swarm.bench.workload import ModelShape
@@ -70,7 +61,6 @@ TABLE_HEADER = ("ver kind     payload MB  dense MB  publish s  first s    all s 
                 "bound s  dense s  egress MB  egress/P  all/ideal")
 PEER_HEADER = ("ver peer  region  kind      fetch s  verify s  apply+save s  written MB  "
                "from trainer MB  from peers MB")
-MB = 1e6
 
 
 def _extra_sizes() -> dict[str, ModelShape]:
@@ -113,48 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "temporary dir, deleted at the end")
 
 
-class BenchError(SwarmError):
-    """The benchmark could not finish (a peer died, a version was not verified in time)."""
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
-class PeerProc:
-    """One ``swarm peer --status-json`` child: its JSON events, read by a thread."""
+class PeerProc(SwarmChild):
+    """One ``swarm peer --status-json`` child in a region."""
 
     def __init__(self, name: str, region: str, argv: list[str], workdir: Path) -> None:
-        self.name, self.region = name, region
-        self.events: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self.stderr_path = workdir / f"{name}.stderr"
-        with self.stderr_path.open("wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "swarm", *argv], stdout=subprocess.PIPE, stderr=err,
-                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("{"):
-                continue
-            with contextlib.suppress(json.JSONDecodeError), self._lock:
-                self.events.append(json.loads(line))
-
-    def of(self, event: str, **fields: object) -> list[dict[str, Any]]:
-        with self._lock:
-            return [e for e in self.events if e.get("event") == event
-                    and all(e.get(k) == v for k, v in fields.items())]
-
-    def stderr_tail(self, n: int = 2000) -> str:
-        try:
-            return self.stderr_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        super().__init__(name, argv, workdir)
+        self.region = region
 
     def check(self, version: int) -> None:
         """:raises BenchError: this peer exited, or failed to verify ``version``."""
@@ -166,32 +120,6 @@ class PeerProc:
         if failed:
             raise BenchError(f"peer {self.name} failed to verify version {version}: "
                              f"{failed[0].get('error')}")
-
-    def peak_rss(self) -> int:
-        """VmHWM of the process in bytes (0 once it is gone)."""
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return 0
-
-
-def stop_peers(peers: list[PeerProc], grace: float = 10.0) -> None:
-    """SIGTERM every peer started here, then SIGKILL those still running after ``grace``."""
-    for p in peers:
-        if p.proc.poll() is None:
-            p.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in peers:
-        try:
-            p.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.proc.kill()
-            p.proc.wait(10)
-        if p.proc.stdout is not None:
-            p.proc.stdout.close()
 
 
 @dataclass(slots=True)
@@ -308,7 +236,7 @@ async def _wait_verified(peers: list[PeerProc], version: int, since: float, time
             seen = p.of("verified", version=version)
             if seen:
                 ev = got[p.name] = seen[0]
-                _say(f"  version {version}: {p.name} ({p.region}) verified "
+                say(f"  version {version}: {p.name} ({p.region}) verified "
                      f"{ev.get('kind')} of {int(ev.get('bytes', 0)) / MB:.2f} MB at "
                      f"+{float(ev['t']) - since:.2f} s")
                 continue
@@ -362,44 +290,31 @@ def summary(rows: list[VersionRow]) -> dict[str, float]:
 
 
 def print_tables(rows: list[VersionRow], ratios: dict[str, float], rss: dict[str, int]) -> None:
-    _say("")
-    _say(TABLE_HEADER)
+    say("")
+    say(TABLE_HEADER)
     for r in rows:
-        _say(f"{r.version:>3} {r.kind:<8} {r.payload / MB:>10.2f} {r.dense / MB:>9.1f} "
+        say(f"{r.version:>3} {r.kind:<8} {r.payload / MB:>10.2f} {r.dense / MB:>9.1f} "
              f"{r.publish_s:>10.2f} {r.first_s:>8.2f} {r.all_s:>8.2f} {r.bound_first_s:>8.2f} "
              f"{r.bound_s:>8.2f} "
              f"{r.dense_s:>8.2f} {r.egress / MB:>10.2f} {r.egress_ratio:>9.2f} "
              f"{'-' if r.version == 0 else f'{r.all_over_ideal:.2f}':>10}")
-    _say("")
-    _say(PEER_HEADER)
+    say("")
+    say(PEER_HEADER)
     for r in rows:
         for p in r.peers:
-            _say(f"{r.version:>3} {p.name:<5} {p.region:<7} {p.kind:<8} {p.fetch_s:>8.2f} "
+            say(f"{r.version:>3} {p.name:<5} {p.region:<7} {p.kind:<8} {p.fetch_s:>8.2f} "
                  f"{p.verify_s:>9.2f} {p.apply_save_s:>13.2f} {p.written / MB:>11.2f} "
                  f"{p.from_trainer / MB:>16.2f} {p.from_peers / MB:>14.2f}")
-    _say("")
+    say("")
     n = len([r for r in rows if r.kind == "delta"])
     over = f"mean of {n} delta version(s)" if n else "no delta versions"
-    _say(f"ratios ({over}):")
-    _say(f"  all verified / (publish + bound + local): {ratios['all_over_ideal']:.2f}x")
-    _say(f"  trainer egress / payload: {ratios['egress_ratio']:.2f}x")
-    _say(f"  delta vs dense: {100 * ratios['payload_over_dense']:.2f}% of the dense bf16 "
+    say(f"ratios ({over}):")
+    say(f"  all verified / (publish + bound + local): {ratios['all_over_ideal']:.2f}x")
+    say(f"  trainer egress / payload: {ratios['egress_ratio']:.2f}x")
+    say(f"  delta vs dense: {100 * ratios['payload_over_dense']:.2f}% of the dense bf16 "
          f"state ({ratios['dense_over_payload']:.1f}x smaller); all verified in "
          f"{ratios['all_s']:.2f} s vs {ratios['dense_s']:.2f} s for a dense broadcast")
-    _say("peak RSS: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items()))
-
-
-@contextlib.contextmanager
-def _workdir(keep: Path | None) -> Iterator[Path]:
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        yield keep
-        return
-    path = Path(tempfile.mkdtemp(prefix="swarm-bench-e2e-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    say("peak RSS: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items()))
 
 
 async def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -418,13 +333,13 @@ async def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     links = Links(trainer=shape_cfg.uplink, peer=args.uplink_mbps * 1e6 / 8, n=args.peers,
                   same_latency=shape_cfg.same_region_latency,
                   cross_latency=shape_cfg.cross_region_latency if args.peers > 1 else 0.0)
-    _say(f"swarm bench e2e: Qwen3-style {shape.params / 1e6:.1f}M params, AdamW lr 1e-6, "
+    say(f"swarm bench e2e: Qwen3-style {shape.params / 1e6:.1f}M params, AdamW lr 1e-6, "
          f"{args.steps} steps, {args.peers} peers in 2 regions; trainer uplink "
          f"{args.trainer_mbps:g} Mbit/s, peers {args.uplink_mbps:g} Mbit/s, "
          f"{args.wan_latency_ms:g} ms between regions; work dir {work}")
     t0 = time.perf_counter()
     workload = await asyncio.to_thread(Workload, WorkloadConfig(shape, seed=args.seed))
-    _say(f"built the workload in {time.perf_counter() - t0:.1f} s")
+    say(f"built the workload in {time.perf_counter() - t0:.1f} s")
     me = Identity.load_or_create(work / "trainer" / "node.key")
     node_cfg = NodeConfig(listen="/ip4/127.0.0.1/tcp/0", run=RUN, region="r0",
                           data_plane=DataPlaneConfig(host="127.0.0.1"))
@@ -445,7 +360,7 @@ async def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 v0 = await node.publish(state)
                 publish_s = time.perf_counter() - t_pub
                 raw.serve_card(run_card(me, RUN, workload.model, v0.manifest).encode())
-                _say(f"published version 0: keyframe of {v0.payload_bytes / MB:.1f} MB in "
+                say(f"published version 0: keyframe of {v0.payload_bytes / MB:.1f} MB in "
                      f"{publish_s:.2f} s; starting {args.peers} peers")
                 addr = raw.listen_addresses[0]
                 since, egress0 = time.time(), node.driver.exchange.bytes_up
@@ -465,13 +380,13 @@ async def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     t_step = time.perf_counter()
                     loss = await asyncio.to_thread(workload.step)
                     state = await asyncio.to_thread(inference_state, workload.model)
-                    _say(f"step {step}: trained in {time.perf_counter() - t_step:.2f} s "
+                    say(f"step {step}: trained in {time.perf_counter() - t_step:.2f} s "
                          f"(loss {loss:.4f}); publishing")
                     egress0 = node.driver.exchange.bytes_up
                     since, t_pub = time.time(), time.perf_counter()
                     pub = await node.publish(state)
                     publish_s = time.perf_counter() - t_pub
-                    _say(f"  version {step}: {pub.manifest.manifest.kind} of "
+                    say(f"  version {step}: {pub.manifest.manifest.kind} of "
                          f"{pub.payload_bytes / MB:.2f} MB ({pub.ratio:.1f}x smaller than "
                          f"dense), {len(pub.manifest.manifest.chunks)} chunks, published in "
                          f"{publish_s:.2f} s")
@@ -480,10 +395,10 @@ async def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                      events, peers, counters, publish_s))
                 rss = {"trainer": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
                 rss.update({p.name: p.peak_rss() for p in peers})
-                _say("done; stopping the trainer and the peers")
+                say("done; stopping the trainer and the peers")
     finally:
         # The trainer's node closes first: it does not redial the peers as they exit.
-        await asyncio.to_thread(stop_peers, peers)
+        await asyncio.to_thread(stop_children, peers)
     ratios = summary(rows)
     print_tables(rows, ratios, rss)
     return {
@@ -499,9 +414,9 @@ def run(args: argparse.Namespace) -> int:
         raise BenchError("--peers must be at least 1 and --steps at least 0")
     if min(args.trainer_mbps, args.uplink_mbps) <= 0 or args.chunk_kib <= 0:
         raise BenchError("--trainer-mbps, --uplink-mbps and --chunk-kib must be positive")
-    with _workdir(args.keep) as work:
+    with workdir(args.keep, "swarm-bench-e2e-") as work:
         figures = asyncio.run(_bench(args, work))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
-        _say(f"figures written to {args.json}")
+        say(f"figures written to {args.json}")
     return 0

@@ -33,6 +33,8 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "e2e": ("swarm.bench.e2e", "trainer and peer processes over shaped links, per version"),
         "checks": ("swarm.bench.checks",
                    "the trainer's rollout checks: honest vs cheating gaps, refusals, cost"),
+        "attacks": ("swarm.bench.attacks",
+                    "honest peers' sync time and memory with a liar or a flooder among them"),
     },
 }
 
