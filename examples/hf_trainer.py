@@ -31,6 +31,7 @@ from swarm import (
 )
 from swarm.cli.trainer import wait_delivered
 from swarm.demo.grpo import Rollout
+from swarm.engines.rollout_check import PolicyWindow, policy_builder
 from swarm.hf.grpo import grpo_step
 from swarm.hf.model import make_model_dir
 from swarm.hf.task import TextTask, decode_completion, encode_prompts, stop_token_ids
@@ -48,15 +49,19 @@ async def main(model_dir: Path, *, steps: int, listen: str, linger: float, promp
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     task = TextTask()
     stop = stop_token_ids(tokenizer)
+    # The trainer checks every result before it counts: log-probs recomputed under the
+    # result's version, a tenth of the tasks replayed (see the README's Untrusted rollouts)
+    policies = PolicyWindow(policy_builder(model), keep=3)
     me = Identity.load_or_create(Path(".hf-trainer/node.key"))
     host = listen.split("/")[2]  # the data plane listens on the same interface
     async with Libp2pNode(me, NodeConfig(listen=listen, run=RUN,
                                            data_plane=DataPlaneConfig(host=host))) as net, \
-            TrainerNode(me, net, TrainerConfig(run=RUN, data_dir=Path(".hf-trainer"))) as node:
+            TrainerNode(me, net, TrainerConfig(run=RUN, data_dir=Path(".hf-trainer")),
+                        checks=policies.checks("bfloat16")) as node:
         print("trainer at", net.listen_addresses[0])
         print(f"peers join with: swarm peer --run {RUN} --bootstrap {net.listen_addresses[0]} "
               f"--trainer {me.peer_id}")
-        v0 = await node.publish(inference_state(model))                         # version 0
+        v0 = await node.publish(policies.add(0, inference_state(model)))        # version 0
         net.serve_card(run_card(me, RUN, model, v0.manifest, model_dir=model_dir).encode())
         while len(net.connected_peers()) < min_peers:
             await asyncio.sleep(0.2)
@@ -74,11 +79,12 @@ async def main(model_dir: Path, *, steps: int, listen: str, linger: float, promp
                        for text, g in zip(texts, groups, strict=True)]
             metrics = await asyncio.to_thread(grpo_step, model, optimizer, groups, rewards,
                                               pad_id=tokenizer.pad_token_id)
-            pub = await node.publish(inference_state(model))                   # sparse delta
+            pub = await node.publish(policies.add(step, inference_state(model)))  # a delta
             print(f"step {step}: reward {metrics.reward_mean:.3f}, "
                   f"{sum(len(g) for g in groups)} completions from "
                   f"{len({a.holder for a in accepted})} peer(s); delta "
-                  f"{pub.payload_bytes} bytes ({pub.ratio:.1f}x smaller than dense)")
+                  f"{pub.payload_bytes} bytes ({pub.ratio:.1f}x smaller than dense); "
+                  f"{len(node.rejected)} result(s) refused by the checks so far")
         have, peers = await wait_delivered(node, set(net.connected_peers()), linger)
         print(f"last version reached {len(have)} of {len(peers)} peers")
 

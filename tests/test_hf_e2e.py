@@ -78,9 +78,12 @@ def test_an_hf_model_trains_with_three_peers_built_from_its_card(tmp_path: Path,
         assert [v for v, _ in got] == list(range(STEPS + 1)), (p.name, got)
         assert got[0] == (0, "local" if i == 0 else "keyframe"), (p.name, got)
     steps = [re.fullmatch(r"step (\d+): reward ([0-9.]+), (\d+) completions from (\d+) "
-                          r"peer\(s\); delta (\d+) bytes \(([0-9.]+)x smaller than dense\)", x)
+                          r"peer\(s\); delta (\d+) bytes \(([0-9.]+)x smaller than dense\); "
+                          r"(\d+) result\(s\) refused by the checks so far", x)
              for x in lines if x.startswith("step ")]
     assert [int(m[1]) for m in steps if m] == list(range(1, STEPS + 1)), lines
+    # every result was checked (log-probs recomputed, a tenth replayed): none refused
+    assert all(int(m[7]) == 0 for m in steps if m), lines
     assert all(int(m[3]) == 16 * 4 for m in steps if m)
     assert max(int(m[4]) for m in steps if m) >= 2  # several peers fed the steps
     assert float(steps[0][2]) > 0  # the warm start left the policy some reward

@@ -101,7 +101,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     from swarm.demo.model import build_model, inference_state, model_from_state
     from swarm.engines.cheater import CheatingEngine
-    from swarm.engines.rollout_check import TOLERANCES, LogprobCheck, ReplayCheck
+    from swarm.engines.rollout_check import TOLERANCES, LogprobCheck, PolicyWindow, ReplayCheck
     from swarm.engines.torch_engine import TorchEngine
     from swarm.identity import Identity
     from swarm.protocol.checks import CheckInput, CopyCheck
@@ -114,8 +114,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     master = build_model(cfg.model)
     opt = make_optimizer(master, cfg.lr, cfg.weight_decay, cfg.adam_eps)
     dtype = getattr(torch, args.dtype)
-    policies: dict[int, Any] = {}
-    engines: dict[int, Any] = {}
+    window = PolicyWindow(lambda s: model_from_state(cfg.model, s, dtype), keep=3)
     peer = _Peer(args, cfg)
     tol = TOLERANCES[args.dtype][args.engine]
     rows: dict[str, dict[str, Any]] = {
@@ -126,12 +125,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     master_gap = 0.0
     next_task = 0
 
-    def policy(v: int, state: dict[str, Any]) -> None:
-        policies[v] = model_from_state(cfg.model, state, dtype).eval()
-        engines[v] = TorchEngine(policies[v])
-
-    state = inference_state(master, args.dtype)
-    policy(0, state)
+    state = window.add(0, inference_state(master, args.dtype))
     prev_state = state
     for version in range(args.steps + 1):
         prompts = rollout_prompts(cfg, version + 1)
@@ -143,8 +137,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             stale = CheatingEngine(TorchEngine(before), "stale",
                                    vocab_size=cfg.model.vocab_size)
             copy_check = CopyCheck()
-            logprobs = LogprobCheck(policies.get, TOLERANCES[args.dtype])
-            replay = ReplayCheck(engines.get, 1.0)  # torch results only
+            logprobs = LogprobCheck(window.model_for, TOLERANCES[args.dtype])
+            replay = ReplayCheck(window.engine_for, 1.0)  # torch results only
             for strategy in rows:
                 if strategy == "honest":
                     engine = honest
@@ -190,14 +184,14 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             if args.engine == "torch":
                 honest.close()
         # one GRPO step on honest rollouts: the policy moves as in a run
+        policy = window.engine_for(version)
+        assert policy is not None
         groups = [[Rollout(tuple(p), c.token_ids, c.logprobs) for c in
-                   TorchEngine(policies[version]).generate([list(p)] * cfg.group_size,
-                                                           replace(sampling, seed=version))]
+                   policy.generate([list(p)] * cfg.group_size, replace(sampling, seed=version))]
                   for p in prompts]
         rewards = [[cfg.task.reward(r.prompt, r.tokens) for r in g] for g in groups]
         train_step(master, opt, prompts, groups, rewards, temperature=cfg.temperature)
-        prev_state, state = state, inference_state(master, args.dtype)
-        policy(version + 1, state)
+        prev_state, state = state, window.add(version + 1, inference_state(master, args.dtype))
     n = max(1, cost["tasks"])
     gen = rows["honest"]["gen_s"] / max(1, rows["honest"]["tasks"])
     return {

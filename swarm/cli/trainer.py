@@ -97,10 +97,9 @@ async def _main(args: argparse.Namespace) -> int:
         rollout_prompts,
         train_step,
     )
-    from swarm.demo.model import build_model, inference_state
-    from swarm.engines.rollout_check import TOLERANCES, LogprobCheck, ReplayCheck
+    from swarm.demo.model import build_model, inference_state, model_from_state
+    from swarm.engines.rollout_check import PolicyWindow
     from swarm.net.node import Libp2pNode
-    from swarm.protocol.checks import Check
     from swarm.protocol.leases import Sampling
     from swarm.roles.trainer import TrainerConfig, TrainerNode
 
@@ -114,11 +113,10 @@ async def _main(args: argparse.Namespace) -> int:
     optimizer = make_optimizer(master, cfg.lr, cfg.weight_decay, cfg.adam_eps)
     # max_staleness 1: results use the latest version or the one before; one more is kept
     # for results checked while the next version is being published
-    policies = Policies(cfg, keep=3)
-    checks: list[Check] = [] if args.no_rollout_checks else [
-        LogprobCheck(policies.model_for, TOLERANCES[cfg.inference_dtype]),
-        ReplayCheck(policies.engine_for, args.replay_fraction,
-                    seed=int.from_bytes(os.urandom(8), "little"))]
+    policies = PolicyWindow(lambda state: model_from_state(
+        cfg.model, state, next(iter(state.values())).dtype), keep=3)
+    checks = [] if args.no_rollout_checks else policies.checks(
+        cfg.inference_dtype, replay_fraction=args.replay_fraction)
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
             shaped(raw, args) as net, TrainerNode(identity, net, TrainerConfig(
             run=args.run, data_dir=args.data_dir, region=args.region,
@@ -213,42 +211,6 @@ async def _main(args: argparse.Namespace) -> int:
                    f"peer(s){short} ({took:.1f} s); seeding until --linger ends")
         await asyncio.sleep(max(0.0, args.linger - took))
     return 0
-
-
-class Policies:
-    """The inference-dtype policy of the last ``keep`` published versions, as the peers
-    run it: what the log-prob check recomputes with."""
-
-    def __init__(self, cfg: Any, keep: int) -> None:
-        self.cfg = cfg
-        self.keep = keep
-        self._models: dict[int, Any] = {}
-        self._engines: dict[int, Any] = {}
-
-    def add(self, version: int, state: dict[str, Any]) -> dict[str, Any]:
-        """Keep ``version``'s ``state`` (returned, for publishing); forget the oldest."""
-        import torch
-
-        from swarm.demo.model import model_from_state
-
-        dtype = next(iter(state.values())).dtype if state else torch.float32
-        model = model_from_state(self.cfg.model, state, dtype)
-        self._models[version] = model.eval()
-        for old in sorted(self._models)[:-self.keep]:
-            del self._models[old]
-            self._engines.pop(old, None)
-        return state
-
-    def model_for(self, version: int) -> Any:
-        return self._models.get(version)
-
-    def engine_for(self, version: int) -> Any:
-        """A torch engine over ``version``'s policy, as a torch peer runs it (replays)."""
-        from swarm.engines.torch_engine import TorchEngine
-
-        if version not in self._engines and version in self._models:
-            self._engines[version] = TorchEngine(self._models[version])
-        return self._engines.get(version)
 
 
 class Rejections:

@@ -24,7 +24,9 @@ dtype: :data:`TOLERANCES` holds those measured here (``swarm bench checks``).
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ import blake3
 import torch
 
 from swarm.engines import RolloutEngine
-from swarm.protocol.checks import CheckInput
+from swarm.protocol.checks import Check, CheckInput
 from swarm.protocol.leases import Completion, Sampling
 
 
@@ -50,15 +52,18 @@ class Tolerance:
 
 
 #: Per dtype of the published state, then per peer engine class (the result's
-#: ``engine``), for the trainer's torch recomputation. Measured here with
-#: ``swarm bench checks`` (largest honest gap over 6 versions x 16 tasks x 4 completions):
-#: torch peers 0 in bf16 and 9.5e-7 in fp32 (one code path, one CPU kind); vLLM CPU peers
-#: 0.012 per token and 0.005 mean in bf16, 7.2e-7 in fp32. A peer one version behind is
-#: 0.49-0.51 off on average, made-up log-probs 2-3. The bounds leave room for the
-#: batching and kernel differences of larger models.
+#: ``engine``), for the trainer's torch recomputation. Measured here (largest honest gap
+#: per token / largest mean per completion): on the 1 MB demo policy (``swarm bench
+#: checks``, 6 versions x 16 tasks x 4 completions) torch peers 0 in bf16 and 9.5e-7 in
+#: fp32, vLLM CPU peers 0.012 / 0.005 in bf16 and 7.2e-7 in fp32; on the 25M-parameter HF
+#: model of ``swarm.hf.model`` (8 x 8 tasks x 4 completions of up to 8 tokens) torch
+#: 0.041 / 0.015 and vLLM 0.046 / 0.018 in bf16. The bf16 gap grows with the model (the
+#: peer decodes token by token with a KV cache, the check runs one forward pass); the
+#: bounds are about 5x the 25M figures. A peer one version behind is 0.49-0.51 off on
+#: average on the demo policy, made-up log-probs 2-3.
 TOLERANCES: dict[str, dict[str, Tolerance]] = {
-    "bfloat16": {"torch": Tolerance(max_abs=0.05, mean_abs=0.01),
-                 "vllm": Tolerance(max_abs=0.1, mean_abs=0.03)},
+    "bfloat16": {"torch": Tolerance(max_abs=0.25, mean_abs=0.08),
+                 "vllm": Tolerance(max_abs=0.25, mean_abs=0.08)},
     "float32": {"torch": Tolerance(max_abs=1e-3, mean_abs=2e-4),
                 "vllm": Tolerance(max_abs=1e-3, mean_abs=2e-4)},
 }
@@ -250,3 +255,72 @@ class ReplayCheck:
                     return (f"task {tr.task_id} completion {k}: replayed with its seed under "
                             f"version {res.version}, the tokens differ")
         return None
+
+
+class PolicyWindow:
+    """The policies of the last ``keep`` published versions as peers run them (the
+    published state's values and dtype): what :class:`LogprobCheck` recomputes with and
+    :class:`ReplayCheck` replays on.
+
+    ``build(state)`` makes a model holding ``state`` (for a transformers model:
+    :func:`policy_builder`). Publish through :meth:`add`, which keeps the version::
+
+        window = PolicyWindow(policy_builder(model))
+        node = TrainerNode(identity, net, config, checks=window.checks("bfloat16"))
+        await node.publish(window.add(step, inference_state(model)))
+    """
+
+    def __init__(self, build: Callable[[Mapping[str, torch.Tensor]], torch.nn.Module],
+                 keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError("keep at least one version")
+        self.build = build
+        self.keep = keep
+        self._models: dict[int, torch.nn.Module] = {}
+        self._engines: dict[int, RolloutEngine] = {}
+
+    def add(self, version: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keep ``version``'s policy, forget the oldest past ``keep``; returns ``state``."""
+        self._models[version] = self.build(state).eval()
+        self._engines.pop(version, None)
+        for old in sorted(self._models)[:-self.keep]:
+            del self._models[old]
+            self._engines.pop(old, None)
+        return state
+
+    def model_for(self, version: int) -> torch.nn.Module | None:
+        return self._models.get(version)
+
+    def engine_for(self, version: int) -> RolloutEngine | None:
+        """A torch engine over ``version``'s policy, as a torch peer runs it."""
+        from swarm.engines.torch_engine import TorchEngine
+
+        model = self._models.get(version)
+        if model is not None and version not in self._engines:
+            self._engines[version] = TorchEngine(model)  # type: ignore[arg-type]
+        return self._engines.get(version)
+
+    def checks(self, dtype: str, *, replay_fraction: float = 0.1,
+               seed: int | None = None) -> list[Check]:
+        """The log-prob check with the measured tolerances of ``dtype``, and replays of
+        ``replay_fraction`` of the tasks (chosen by ``seed``, random when ``None``)."""
+        if dtype not in TOLERANCES:
+            raise ValueError(f"no tolerances for {dtype!r}: {', '.join(TOLERANCES)}")
+        pick = int.from_bytes(os.urandom(8), "little") if seed is None else seed
+        return [LogprobCheck(self.model_for, TOLERANCES[dtype]),
+                ReplayCheck(self.engine_for, replay_fraction, seed=pick)]
+
+
+def policy_builder(model: torch.nn.Module) -> Callable[[Mapping[str, torch.Tensor]],
+                                                       torch.nn.Module]:
+    """``build`` for :class:`PolicyWindow` from a transformers model: per version, a copy
+    of it in the state's dtype holding the state (keys as ``model.state_dict()``'s, which
+    is what ``swarm.inference_state`` publishes)."""
+
+    def build(state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        dtype = next(iter(state.values())).dtype
+        policy = copy.deepcopy(model).to(dtype)
+        policy.load_state_dict(dict(state))
+        return policy
+
+    return build
