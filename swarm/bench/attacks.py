@@ -1,10 +1,10 @@
 """``swarm bench attacks``: what one hostile peer costs honest peers, on real processes.
 
 Each scenario runs on loopback, from scratch: a ``swarm bootstrap`` that everyone joins
-through, a ``swarm trainer`` (the demo model, its uplink shaped to ``--uplink-mbps`` so
-that peers get most chunks from each other rather than from it) and two honest ``swarm
-peer`` processes, for ``--steps`` versions. ``none`` has nothing else; the others start
-a third ``swarm peer`` first:
+through, a ``swarm trainer`` (the demo model, its uplink shaped to ``--uplink-mbps`` and
+its deltas cut in ``--chunk-kib`` chunks, so that peers get most chunks from each other
+rather than from it) and two honest ``swarm peer`` processes, for ``--steps`` versions.
+``none`` has nothing else; the others start a third ``swarm peer`` first:
 
 - ``extra``: an honest one (the control: what one more process costs on this machine,
   and it must not be dropped);
@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uplink-mbps", type=float, default=1.0,
                    help="the trainer's uplink in Mbit/s (default 1: a delta takes seconds "
                         "to leave it, so peers trade between themselves)")
+    p.add_argument("--chunk-kib", type=int, default=16,
+                   help="the trainer's target delta chunk size in KiB (default 16: a delta "
+                        "of the demo model is about 10 chunks to trade, 4 at the trainer's "
+                        "default of 64)")
     p.add_argument("--prompts", type=int, default=8,
                    help="the trainer's prompts per step (default 8)")
     p.add_argument("--group", type=int, default=4,
@@ -140,7 +144,8 @@ def _scenario(name: str, args: argparse.Namespace, work: Path) -> Scenario:
         trainer = start("trainer", [
             "trainer", "--bootstrap", boot_addr, "--steps", str(args.steps),
             "--min-peers", str(len(HONEST)), "--uplink-mbps", f"{args.uplink_mbps:g}",
-            "--prompts", str(args.prompts), "--group", str(args.group), "--linger", "600"])
+            "--chunk-kib", str(args.chunk_kib), "--prompts", str(args.prompts),
+            "--group", str(args.group), "--linger", "600"])
         trainer.wait_event("ready", args.timeout)
 
         def peer(who: str, *extra: str) -> SwarmChild:
@@ -236,10 +241,11 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise BenchError(f"--scenarios: unknown {', '.join(unknown)} (choose from "
                          f"{', '.join(OTHERS)})")
-    if args.steps < 1 or args.uplink_mbps <= 0 or args.prompts < 1 or args.group < 1:
-        raise BenchError("--steps, --prompts and --group must be at least 1, --uplink-mbps "
-                         "positive")
-    say(f"swarm bench attacks: trainer (demo model, uplink {args.uplink_mbps:g} Mbit/s) and "
+    if min(args.steps, args.prompts, args.group, args.chunk_kib) < 1 or args.uplink_mbps <= 0:
+        raise BenchError("--steps, --chunk-kib, --prompts and --group must be at least 1, "
+                         "--uplink-mbps positive")
+    say(f"swarm bench attacks: trainer (demo model, uplink {args.uplink_mbps:g} Mbit/s, "
+        f"{args.chunk_kib} KiB chunks) and "
         f"{len(HONEST)} honest peers, {args.steps} versions per scenario; scenarios: none, "
         f"{', '.join(chosen)}")
     scenarios: list[Scenario] = []
@@ -255,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         base = scenarios[0]
         figures = {"steps": args.steps, "uplink_mbps": args.uplink_mbps,
+                   "chunk_kib": args.chunk_kib,
                    "prompts": args.prompts, "group": args.group,
                    "scenarios": {s.name: s.as_dict(base) for s in scenarios}}
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
