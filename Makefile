@@ -32,8 +32,11 @@ test: $(BIN)/.xg-built
 test-e2e: $(BIN)/.xg-built
 	$(BIN)/pytest -q -m e2e
 
+test-long: $(BIN)/.xg-built
+	$(BIN)/pytest -q -m long
+
 test-fast: $(BIN)/.xg-built
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow and not long and not e2e and not vllm"
 
 lint: $(BIN)/.xg-built
 	$(BIN)/ruff check swarm tests

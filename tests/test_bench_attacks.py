@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.long, pytest.mark.timeout(420)]
 STEPS = 3  # the liar is dropped after 3 time-outs, about one a version once snubbed
 RSS_MARGIN = 64 << 20
 

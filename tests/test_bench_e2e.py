@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.long, pytest.mark.timeout(240)]
 
 
 def test_bench_e2e_reports_every_version_verified_by_every_peer(tmp_path: Path) -> None:

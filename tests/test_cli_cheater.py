@@ -15,7 +15,7 @@ from swarmproc import cluster, step_of
 
 from swarm.engines import CHEAT_STRATEGIES
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
 STEPS = 4
 
 

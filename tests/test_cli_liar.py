@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from swarmproc import cluster, step_of
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
 STEPS = 6
 
 
