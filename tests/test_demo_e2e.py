@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_demo_runs_verifies_every_version_and_bans_the_corrupt_peer(tmp_path: Path) -> None:
     out = subprocess.run(

@@ -127,6 +127,7 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
         return trainer, counted, cheater.peer_id
 
 
+@pytest.mark.long  # six in-memory swarms: about a minute
 @pytest.mark.parametrize("strategy", CHEAT_STRATEGIES)
 async def test_a_cheating_peer_is_refused_and_banned_and_honest_peers_never_are(
         tmp_path: Path, strategy: str) -> None:
