@@ -393,8 +393,9 @@ class TrainerNode(NodeBase):
         while True:
             msg = await self.mux.recv(Channel.LEASE)
             now = self.clock.wall()
-            try:
-                decoded: LeaseMessage | bytes = decode_message(msg.payload)
+            try:  # which kind it is; admissible() or the book verifies the signature
+                decoded: LeaseMessage | bytes = decode_message(msg.payload,
+                                                               check_signature=False)
             except SwarmError:
                 decoded = msg.payload  # the book refuses it and scores the sender
             if isinstance(decoded, Result) and self.leases.admissible(
@@ -403,7 +404,8 @@ class TrainerNode(NodeBase):
                     self._checking.add(decoded.commitment)
                     await self._to_check.put((decoded, msg.peer_id))
                 continue
-            await self._answer(msg.peer_id, self.leases.handle(decoded, now,
+            # the wire bytes: the book decodes and verifies them (once)
+            await self._answer(msg.peer_id, self.leases.handle(msg.payload, now,
                                                                sender=msg.peer_id))
 
     async def _answer(self, peer: str, replies: Sequence[LeaseMessage]) -> None:
