@@ -493,6 +493,31 @@ def test_a_neighbour_cannot_make_us_track_unbounded_unknown_objects() -> None:
     assert 1 in core._peers["them"].haves[spec.obj]
 
 
+def test_a_peer_told_of_more_versions_than_it_tracks_still_fetches_a_late_one() -> None:
+    """The restart stall: a peer back from a restart connects to a trainer that keeps a
+    dozen versions. The trainer's bitfields all arrive before the peer has any manifest,
+    and those past the peer's allowance for unknown objects are dropped. When the peer
+    then takes up one of the later versions, it still learns who holds it, and gets it."""
+    from swarm.protocol.exchange import MAX_UNKNOWN_OBJECTS
+
+    kept = [make_object(4, seed=s) for s in range(MAX_UNKNOWN_OBJECTS + 4)]
+    net = Net()
+    trainer = net.add(Exchange("trainer", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    me = net.add(Exchange("me", seed=3))
+    for spec, chunks in kept:
+        trainer.add_object(spec, 0.0, dict(enumerate(chunks)))
+    net.link("me", "trainer", 0.0, trainer_b=True)
+    net.run(0.0)  # every bitfield is in; the newest ones were past the allowance
+    late, chunks = kept[-1]
+    me.add_object(late, 0.0)
+    now = _run_until_complete(net, me, late.obj, rounds=20)
+    assert me.is_complete(late.obj) and now < 5.0
+    assert [me.chunk(late.obj, i) for i in range(4)] == chunks
+    resent = [m for s, d, m in net.sent if s == "trainer" and isinstance(m, Bitfield)
+              and m.obj == late.obj]
+    assert len(resent) == 2  # at connect, and once more when the peer took it up
+
+
 def _run_until_complete(net: Net, me: Exchange, obj: bytes, rounds: int) -> float:
     """Deliver messages and fire ``me``'s timers until it holds ``obj`` (or ``rounds``
     timers passed); returns the virtual time reached."""

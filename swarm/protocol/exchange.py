@@ -406,10 +406,17 @@ class Exchange(DownloadSide, UploadSide):
                 p.unknown_bits += len(new) - len(old)
                 p.haves[msg.obj] = new
                 return
+            first = msg.obj not in p.haves
             idxs = indices_of(msg.bits, msg.count)
             p.haves[msg.obj] = old | idxs
             for idx in idxs - old:
                 self._add_holder(o, idx, p, now)
+            if first and not o.have <= idxs:
+                # Our own bitfield may have reached p before p knew the object, and been
+                # dropped past its allowance for unknown objects (a peer back from a
+                # restart is told of every kept version at once): once more, now that p
+                # exchanges it. Once per object and connection, so never a ping-pong.
+                self._send_bitfield(p, o)
             if self.config.super_seed:
                 self._suggest_to(p, o)
             self._update_interest(now)
