@@ -11,7 +11,8 @@ BIN := $(VENV)/bin
 
 # The codec's C extension (swarm.delta._xg), built in place by the editable install and
 # rebuilt by the rules below when one of its sources changes.
-XG_SRC := setup.py swarm/delta/_xg.h swarm/delta/_xg_module.c swarm/delta/_xg_simd.c
+XG_SRC := setup.py swarm/delta/_xg.h swarm/delta/_xg_module.c swarm/delta/_xg_simd.c \
+	swarm/delta/_b3.c
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)

@@ -18,7 +18,8 @@ setup(
     ext_modules=[
         Extension(
             "swarm.delta._xg",
-            sources=["swarm/delta/_xg_module.c", "swarm/delta/_xg_simd.c"],
+            sources=["swarm/delta/_xg_module.c", "swarm/delta/_xg_simd.c",
+                     "swarm/delta/_b3.c"],
             depends=["swarm/delta/_xg.h"],
             extra_compile_args=_CFLAGS,
         ),

@@ -6,6 +6,7 @@
 #ifndef SWARM_XG_H
 #define SWARM_XG_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* Result of a fast path that does not run on this CPU or input (the caller falls back). */
@@ -63,5 +64,16 @@ int xg_locate16_simd(int cap, uint16_t *arr, int64_t n, unsigned shift, unsigned
  * returns a fold of them (its value only keeps the reads from being optimized away). The
  * benchmark's floor for extraction, which must read old and new. */
 uint64_t xg_read_pair(const uint64_t *a, const uint64_t *b, int64_t nwords);
+
+/* BLAKE3 tree nodes (_b3.c): the chunk size of the tree. */
+#define XG_B3_CHUNK 1024
+
+/* The non-root chaining value of the node BLAKE3 builds over ``len`` >= 1 bytes whose first
+ * chunk has index ``first_chunk``. */
+void xg_b3_node_cv(const uint8_t *data, size_t len, uint64_t first_chunk, uint8_t out[32]);
+
+/* A parent node's chaining value, or with ``root`` the 32-byte root hash. */
+void xg_b3_parent(const uint8_t left[32], const uint8_t right[32], int root,
+                  uint8_t out[32]);
 
 #endif

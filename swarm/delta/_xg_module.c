@@ -1431,6 +1431,60 @@ done:
     return res;
 }
 
+PyDoc_STRVAR(b3_node_cv_doc,
+"b3_node_cv(data, first_chunk) -> bytes\n\n"
+"The 32-byte non-root BLAKE3 chaining value of the tree node over the bytes of ``data``\n"
+"(at least 1; 1024-byte chunks, the last possibly shorter) whose first chunk has index\n"
+"``first_chunk``: a multiple of the node's span (its chunk count rounded up to a power of\n"
+"two), as for every node of a BLAKE3 tree.");
+
+static PyObject *xg_b3_node_cv_py(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data;
+    uint64_t first;
+    if (!PyArg_ParseTuple(args, "y*O&:b3_node_cv", &data, u64_arg, &first)) return NULL;
+    PyObject *res = NULL;
+    uint64_t chunks = ((uint64_t)data.len + XG_B3_CHUNK - 1) / XG_B3_CHUNK, span = 1;
+    while (span < chunks) span *= 2;
+    if (data.len == 0) {
+        PyErr_SetString(PyExc_ValueError, "b3_node_cv: data is empty");
+    } else if (first % span != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "b3_node_cv: a node of %llu chunks starts at a multiple of %llu, not at "
+                     "chunk %llu", (unsigned long long)chunks, (unsigned long long)span,
+                     (unsigned long long)first);
+    } else {
+        uint8_t out[32];
+        Py_BEGIN_ALLOW_THREADS
+        xg_b3_node_cv(data.buf, (size_t)data.len, first, out);
+        Py_END_ALLOW_THREADS
+        res = PyBytes_FromStringAndSize((const char *)out, 32);
+    }
+    PyBuffer_Release(&data);
+    return res;
+}
+
+PyDoc_STRVAR(b3_parent_doc,
+"b3_parent(left, right, root) -> bytes\n\n"
+"The BLAKE3 chaining value of the parent of two 32-byte child chaining values, or with\n"
+"``root`` the 32-byte root hash.");
+
+static PyObject *xg_b3_parent_py(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *l, *r;
+    Py_ssize_t nl, nr;
+    int root;
+    if (!PyArg_ParseTuple(args, "y#y#p:b3_parent", &l, &nl, &r, &nr, &root)) return NULL;
+    if (nl != 32 || nr != 32) {
+        PyErr_Format(PyExc_ValueError, "b3_parent: chaining values are 32 bytes, not %zd and "
+                     "%zd", nl, nr);
+        return NULL;
+    }
+    uint8_t out[32];
+    xg_b3_parent((const uint8_t *)l, (const uint8_t *)r, root, out);
+    return PyBytes_FromStringAndSize((const char *)out, 32);
+}
+
 static const char *const PATH_NAMES[] = {"scalar", "avx2", "avx512"};
 
 PyDoc_STRVAR(simd_doc,
@@ -1498,6 +1552,8 @@ static PyMethodDef xg_methods[] = {
     {"decode_values", xg_decode_values, METH_VARARGS, decode_values_doc},
     {"apply_diffs", xg_apply_diffs, METH_VARARGS, apply_diffs_doc},
     {"read_pair", xg_read_pair_py, METH_VARARGS, read_pair_doc},
+    {"b3_node_cv", xg_b3_node_cv_py, METH_VARARGS, b3_node_cv_doc},
+    {"b3_parent", xg_b3_parent_py, METH_VARARGS, b3_parent_doc},
     {"simd", xg_simd, METH_NOARGS, simd_doc},
     {"simd_paths", xg_simd_paths, METH_NOARGS, simd_paths_doc},
     {"set_simd", xg_set_simd, METH_O, set_simd_doc},
@@ -1524,7 +1580,8 @@ PyDoc_STRVAR(module_doc,
 "Fused single-pass kernels of the swarm-xg1 delta codec (see swarm/delta/codec.py).\n\n"
 "Buffers are 1-D C-contiguous numpy arrays of the integer types each function names;\n"
 "misuse raises TypeError/ValueError, malformed stream data returns an error code.\n"
-"The GIL is released while a kernel runs.");
+"The GIL is released while a kernel runs. b3_node_cv and b3_parent hash BLAKE3 tree nodes\n"
+"(swarm/content/piecetree.py).");
 
 static struct PyModuleDef xg_module = {
     PyModuleDef_HEAD_INIT, "_xg", module_doc, 0, xg_methods, xg_slots, NULL, NULL, NULL,
