@@ -1,7 +1,7 @@
 """Build of the codec's C extension (everything else is in pyproject.toml).
 
 Compile flags stay generic (no -march=native): the wheel runs on any x86-64 or aarch64;
-_xg_simd.c picks its instructions per function and checks the CPU at run time.
+_xg_simd.c and _b3.c pick their instructions per function, and the CPU is checked at run time.
 """
 
 import sys

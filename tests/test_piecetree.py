@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from swarm.content.piecetree import CHUNK, PiecePart, merge, summarise
-from swarm.delta._xg import b3_node_cv, b3_parent
+from swarm.delta._xg import b3_node_cv, b3_parent, set_simd, simd_paths
 
 LENGTHS = [1, 1023, 1024, 1025, 2048, 4096 + 17, 64 << 10, (1 << 20) + 3, 4 << 20]
 WIRE_MAX = 2048 + 32 * 2 * 13
@@ -66,6 +66,21 @@ def test_merged_parts_give_the_piece_id(n: int) -> None:
         parts = [_wire(x) for x in _parts(p, [0, *cuts, n])]
         rng.shuffle(parts)
         assert merge(n, parts) == want, cuts
+
+
+@pytest.mark.parametrize("path", simd_paths())
+def test_every_simd_path_gives_the_piece_id(path: str) -> None:
+    """Full chunks go 16, 8 or 4 at a time, up to 256 a batch, the rest one by one."""
+    n = 300 * CHUNK + 5
+    p = _piece(n)
+    want = blake3.blake3(p).digest()
+    set_simd(path)
+    try:
+        for cuts in ([1], [CHUNK], [2 * CHUNK], [17 * CHUNK], [256 * CHUNK], [257 * CHUNK - 1],
+                     [CHUNK + 1, 260 * CHUNK], [24 * CHUNK, 288 * CHUNK + 9]):
+            assert merge(n, _parts(p, [0, *cuts, n])) == want, cuts
+    finally:
+        set_simd("avx512")
 
 
 def test_every_two_part_cut_of_a_small_piece() -> None:

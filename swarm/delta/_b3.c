@@ -1,10 +1,14 @@
-/* BLAKE3 chaining values of tree nodes, for pieces hashed in parts (swarm/content/piecetree.py).
+/* BLAKE3 chaining values of tree nodes, for pieces hashed in parts (content/piecetree.py).
  *
- * The portable compression function of the BLAKE3 specification: a node is a chunk (up to
- * 1024 bytes, 64-byte blocks, its index in the input as counter) or a parent of two child
+ * The compression function of the BLAKE3 specification: a node is a chunk (up to 1024
+ * bytes, 64-byte blocks, its index in the input as counter) or a parent of two child
  * chaining values; the left child of a node of k > 1 chunks holds the largest power of two
  * of chunks below k. The Python blake3 package gives the root hash only, so nodes of a
  * piece that lie in different processes are hashed here and joined with xg_b3_parent.
+ * Blocks go one at a time in scalar code and, built by GCC or Clang for x86-64 or aarch64,
+ * full chunks and their parents also 16, 8 or 4 at a time in the lanes of vector types
+ * (AVX-512, AVX2, the SSE2 or NEON baseline: the module's SIMD path): 7x, 3x and 1.7x
+ * the scalar speed on an AMD EPYC core with AVX-512.
  */
 #include <stdint.h>
 #include <string.h>
@@ -114,26 +118,134 @@ static void parent_cv(const uint32_t l[8], const uint32_t r[8], uint32_t flags,
     compress(out, block, 0, 64, PARENT | flags);
 }
 
-static void node_cv(const uint8_t *d, size_t len, uint64_t counter, uint32_t out[8]) {
+static void store_cv(const uint32_t cv[8], uint8_t out[32]) {
+    for (int i = 0; i < 8; i++) store_le32(out + 4 * i, cv[i]);
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__aarch64__))
+#define B3_MANY 1
+
+/* LANES nodes at once, one a lane of GCC/Clang vector types: the full chunks at
+ * ``in + 1024 * lane`` (counters ``ctr + lane``), or with ``parents`` the parents of the
+ * chaining value pairs at ``in + 64 * lane``; chaining values to ``out + 32 * lane``. */
+#define B3_DEFINE_MANY(NAME, LANES, ATTR)                                                  \
+    typedef uint32_t NAME##_v __attribute__((vector_size(4 * LANES)));                     \
+    ATTR static void NAME(const uint8_t *in, int parents, uint64_t ctr, uint8_t *out) {    \
+        const size_t stride = parents ? 64 : XG_B3_CHUNK, blocks = parents ? 1 : 16;       \
+        NAME##_v h[8], v[16], m[16], lo, hi;                                               \
+        for (int i = 0; i < 8; i++) h[i] = (NAME##_v){0} + IV[i];                          \
+        for (int l = 0; l < LANES; l++) {                                                  \
+            lo[l] = parents ? 0 : (uint32_t)(ctr + (uint64_t)l);                           \
+            hi[l] = parents ? 0 : (uint32_t)((ctr + (uint64_t)l) >> 32);                   \
+        }                                                                                  \
+        for (size_t b = 0; b < blocks; b++) {                                              \
+            for (int i = 0; i < 16; i++)                                                   \
+                for (int l = 0; l < LANES; l++)                                            \
+                    m[i][l] = load_le32(in + stride * (size_t)l + 64 * b + 4 * (size_t)i); \
+            uint32_t f = parents ? PARENT                                                  \
+                                 : (b == 0 ? CHUNK_START : 0) | (b == 15 ? CHUNK_END : 0); \
+            for (int i = 0; i < 8; i++) v[i] = h[i];                                       \
+            for (int i = 0; i < 4; i++) v[8 + i] = (NAME##_v){0} + IV[i];                  \
+            v[12] = lo;                                                                    \
+            v[13] = hi;                                                                    \
+            v[14] = (NAME##_v){0} + 64u;                                                   \
+            v[15] = (NAME##_v){0} + f;                                                     \
+            ROUNDS(v, m);                                                                  \
+            for (int i = 0; i < 8; i++) h[i] = v[i] ^ v[i + 8];                            \
+        }                                                                                  \
+        for (int l = 0; l < LANES; l++)                                                    \
+            for (int i = 0; i < 8; i++) store_le32(out + 32 * l + 4 * i, h[i][l]);         \
+    }
+
+#if defined(__x86_64__)
+B3_DEFINE_MANY(many16, 16, __attribute__((target("avx512f"))))
+B3_DEFINE_MANY(many8, 8, __attribute__((target("avx2"))))
+#endif
+B3_DEFINE_MANY(many4, 4, )
+
+static size_t many_lanes(int path) {
+#if defined(__x86_64__)
+    if (path == XG_AVX512) return 16;
+    if (path == XG_AVX2) return 8;
+#endif
+    (void)path;
+    return 4;
+}
+
+static void many(int path, const uint8_t *in, int parents, uint64_t ctr, uint8_t *out) {
+#if defined(__x86_64__)
+    if (path == XG_AVX512) {
+        many16(in, parents, ctr, out);
+        return;
+    }
+    if (path == XG_AVX2) {
+        many8(in, parents, ctr, out);
+        return;
+    }
+#endif
+    many4(in, parents, ctr, out);
+}
+
+/* At most this many full chunks are hashed lane-parallel at a time (8 KiB of chaining
+ * values on the stack). */
+#define B3_BATCH 256
+
+/* A node of ``chunks`` full chunks, a power of two up to B3_BATCH: its chunks, then each
+ * level of parents, many_lanes(path) nodes at once (those left over one by one). */
+static void batch_cv(int path, const uint8_t *d, size_t chunks, uint64_t ctr,
+                     uint32_t out[8]) {
+    uint8_t cvs[32 * B3_BATCH];
+    uint32_t cv[8], l[8], r[8];
+    const size_t lanes = many_lanes(path);
+    size_t i = 0;
+    for (; i + lanes <= chunks; i += lanes)
+        many(path, d + XG_B3_CHUNK * i, 0, ctr + i, cvs + 32 * i);
+    for (; i < chunks; i++) {
+        chunk_cv(d + XG_B3_CHUNK * i, XG_B3_CHUNK, ctr + i, cv);
+        store_cv(cv, cvs + 32 * i);
+    }
+    for (size_t k = chunks / 2; k >= 1; k /= 2) {
+        for (i = 0; i + lanes <= k; i += lanes)
+            many(path, cvs + 64 * i, 1, 0, cvs + 32 * i);
+        for (; i < k; i++) {
+            for (int j = 0; j < 8; j++) {
+                l[j] = load_le32(cvs + 64 * i + 4 * j);
+                r[j] = load_le32(cvs + 64 * i + 32 + 4 * j);
+            }
+            parent_cv(l, r, 0, cv);
+            store_cv(cv, cvs + 32 * i);
+        }
+    }
+    for (int j = 0; j < 8; j++) out[j] = load_le32(cvs + 4 * j);
+}
+#endif
+
+static void node_cv(int path, const uint8_t *d, size_t len, uint64_t counter,
+                    uint32_t out[8]) {
     if (len <= XG_B3_CHUNK) {
         chunk_cv(d, len, counter, out);
         return;
     }
     size_t chunks = (len + XG_B3_CHUNK - 1) / XG_B3_CHUNK, left = 1;
+#ifdef B3_MANY
+    if (len == chunks * XG_B3_CHUNK && (chunks & (chunks - 1)) == 0 && chunks <= B3_BATCH) {
+        batch_cv(path, d, chunks, counter, out);
+        return;
+    }
+#else
+    (void)path;
+#endif
     while (2 * left < chunks) left *= 2;
     uint32_t l[8], r[8];
-    node_cv(d, left * XG_B3_CHUNK, counter, l);
-    node_cv(d + left * XG_B3_CHUNK, len - left * XG_B3_CHUNK, counter + left, r);
+    node_cv(path, d, left * XG_B3_CHUNK, counter, l);
+    node_cv(path, d + left * XG_B3_CHUNK, len - left * XG_B3_CHUNK, counter + left, r);
     parent_cv(l, r, 0, out);
 }
 
-static void store_cv(const uint32_t cv[8], uint8_t out[32]) {
-    for (int i = 0; i < 8; i++) store_le32(out + 4 * i, cv[i]);
-}
-
-void xg_b3_node_cv(const uint8_t *data, size_t len, uint64_t first_chunk, uint8_t out[32]) {
+void xg_b3_node_cv(int path, const uint8_t *data, size_t len, uint64_t first_chunk,
+                   uint8_t out[32]) {
     uint32_t cv[8];
-    node_cv(data, len, first_chunk, cv);
+    node_cv(path, data, len, first_chunk, cv);
     store_cv(cv, out);
 }
 

@@ -69,8 +69,10 @@ uint64_t xg_read_pair(const uint64_t *a, const uint64_t *b, int64_t nwords);
 #define XG_B3_CHUNK 1024
 
 /* The non-root chaining value of the node BLAKE3 builds over ``len`` >= 1 bytes whose first
- * chunk has index ``first_chunk``. */
-void xg_b3_node_cv(const uint8_t *data, size_t len, uint64_t first_chunk, uint8_t out[32]);
+ * chunk has index ``first_chunk``; full chunks go several at once on ``path`` (an
+ * xg_simd_path result). */
+void xg_b3_node_cv(int path, const uint8_t *data, size_t len, uint64_t first_chunk,
+                   uint8_t out[32]);
 
 /* A parent node's chaining value, or with ``root`` the 32-byte root hash. */
 void xg_b3_parent(const uint8_t left[32], const uint8_t right[32], int root,

@@ -71,7 +71,8 @@ static inline uint64_t xg_bswap64(uint64_t x) {
     return (x << 32) | (x >> 32);
 }
 
-/* The fastest path the 2-byte kernels may take (set_simd); read under the GIL. */
+/* The fastest path the 2-byte kernels and b3_node_cv may take (set_simd); read under the
+ * GIL. */
 static int simd_cap = XG_AVX512;
 
 /* ------------------------------------------------------------------------------------ */
@@ -1436,7 +1437,8 @@ PyDoc_STRVAR(b3_node_cv_doc,
 "The 32-byte non-root BLAKE3 chaining value of the tree node over the bytes of ``data``\n"
 "(at least 1; 1024-byte chunks, the last possibly shorter) whose first chunk has index\n"
 "``first_chunk``: a multiple of the node's span (its chunk count rounded up to a power of\n"
-"two), as for every node of a BLAKE3 tree.");
+"two), as for every node of a BLAKE3 tree. Full chunks are hashed 16, 8 or 4 at a time on\n"
+"the avx512, avx2 and scalar paths (see set_simd).");
 
 static PyObject *xg_b3_node_cv_py(PyObject *self, PyObject *args) {
     (void)self;
@@ -1455,8 +1457,9 @@ static PyObject *xg_b3_node_cv_py(PyObject *self, PyObject *args) {
                      (unsigned long long)first);
     } else {
         uint8_t out[32];
+        const int path = xg_simd_path(simd_cap);
         Py_BEGIN_ALLOW_THREADS
-        xg_b3_node_cv(data.buf, (size_t)data.len, first, out);
+        xg_b3_node_cv(path, data.buf, (size_t)data.len, first, out);
         Py_END_ALLOW_THREADS
         res = PyBytes_FromStringAndSize((const char *)out, 32);
     }
@@ -1489,7 +1492,8 @@ static const char *const PATH_NAMES[] = {"scalar", "avx2", "avx512"};
 
 PyDoc_STRVAR(simd_doc,
 "simd() -> str\n\n"
-"The path the 2-byte kernels take on this CPU: \"avx512\", \"avx2\" or \"scalar\".");
+"The path the 2-byte kernels and b3_node_cv take on this CPU: \"avx512\", \"avx2\" or\n"
+"\"scalar\".");
 
 static PyObject *xg_simd(PyObject *self, PyObject *args) {
     (void)self; (void)args;
@@ -1513,8 +1517,9 @@ static PyObject *xg_simd_paths(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(set_simd_doc,
 "set_simd(path) -> None\n\n"
-"The fastest path the 2-byte kernels may take: \"avx512\" (the default: the best this CPU\n"
-"runs), \"avx2\" or \"scalar\" (process-wide; for tests and benchmarks of slower paths).");
+"The fastest path the 2-byte kernels and b3_node_cv may take: \"avx512\" (the default: the\n"
+"best this CPU runs), \"avx2\" or \"scalar\" (process-wide; for tests and benchmarks of\n"
+"slower paths).");
 
 static PyObject *xg_set_simd(PyObject *self, PyObject *arg) {
     (void)self;
