@@ -158,7 +158,7 @@ class _Plan:
         return [pool.submit(self.encode_run, run) for run in runs]
 
 
-class _Assembler:
+class ChunkAssembler:
     """Packs encoded segments (in state order) into chunks of about ``target`` bytes."""
 
     def __init__(self, layout: StateLayout, target: int) -> None:
@@ -215,7 +215,7 @@ async def iter_delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, t
     """
     cfg = config or EncoderConfig()
     plan = _Plan(old, new, cfg)
-    asm = _Assembler(plan.layout, cfg.chunk_target)
+    asm = ChunkAssembler(plan.layout, cfg.chunk_target)
     pool = _pool(cfg)
     try:
         inflight: deque[list[Future[list[EncodedSegment | None]]]] = deque()
@@ -240,7 +240,7 @@ def delta_chunks(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor
     """Blocking form of :func:`iter_delta_chunks` (same chunks, same order)."""
     cfg = config or EncoderConfig()
     plan = _Plan(old, new, cfg)
-    asm = _Assembler(plan.layout, cfg.chunk_target)
+    asm = ChunkAssembler(plan.layout, cfg.chunk_target)
     with _pool(cfg) as pool:
         inflight: deque[list[Future[list[EncodedSegment | None]]]] = deque()
         nxt = 0
