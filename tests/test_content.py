@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 
 import msgpack
@@ -181,11 +182,30 @@ def _body(**changes: object) -> dict[str, object]:
     ({"chunks": [[b"x" * 32, 1 << 40]]}, "chunk"),
     ({"chunks": [[b"x" * 32]]}, "chunk"),
     ({"base": None}, "base"),
-    ({"extra": 1}, "map"),
+    ({"extra": 1}, "unexpected keys"),
+    ({"seeders": []}, "seeders"),
+    ({"seeders": [b"k" * 31]}, "seeders"),
+    ({"seeders": [b"k" * 32, b"k" * 32]}, "seeders"),
+    ({"seeders": [b"k" * 32] * 65}, "seeders"),
+    ({"seeders": b"k" * 32}, "seeders"),
 ])
 def test_malformed_bodies_refused(changes: dict[str, object], match: str) -> None:
     with pytest.raises(DecodeError, match=match):
         SignedManifest.decode(_resign(_body(**changes)))
+
+
+def test_seeders_are_signed_and_absent_when_none() -> None:
+    """The other hosts of a sharded trainer, authorized in the manifest the run's key
+    signs; a manifest without any keeps the body (and so the id) it had before."""
+    hosts = tuple(Identity.from_seed(bytes([i]) * 32).public_key for i in (7, 8))
+    plain = _manifest().sign(TRAINER)
+    assert b"seeders" not in plain.body
+    sm = dataclasses.replace(_manifest(), seeders=hosts).sign(TRAINER)
+    back = SignedManifest.decode(sm.encode(), trusted_signer=TRAINER.public_key)
+    assert back.manifest.seeders == hosts
+    assert back.manifest.seeder_peer_ids == tuple(
+        Identity.from_seed(bytes([i]) * 32).peer_id for i in (7, 8))
+    assert back.id != plain.id
 
 
 def test_non_canonical_refused() -> None:

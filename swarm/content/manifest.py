@@ -37,6 +37,8 @@ _BODY_KEYS = frozenset({
     "v", "run", "step", "kind", "base", "target", "layout", "codec", "piece",
     "chunks", "keep", "time", "signer",
 })
+#: Most trainer seeders a manifest names (the hosts or ranks of a sharded trainer).
+MAX_SEEDERS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,10 @@ class Manifest:
     keep_versions: int = 8
     time_ms: int = 0
     signer: bytes = field(default=b"\0" * PUBLIC_KEY_LEN)
+    seeders: tuple[bytes, ...] = ()
+    """Public keys of other nodes the signer authorizes to seed this version's chunks as
+    the trainer does (the other ranks or hosts of a sharded trainer); peers treat them
+    as the trainer in the exchange. Absent from the body when empty."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -71,6 +77,10 @@ class Manifest:
                 raise ValueError("roots and digests are 32 bytes")
         if len(self.chunks) > MAX_CHUNKS:
             raise ValueError(f"at most {MAX_CHUNKS} chunks per manifest")
+        if len(self.seeders) > MAX_SEEDERS or \
+                any(len(k) != PUBLIC_KEY_LEN for k in self.seeders) or \
+                len(set(self.seeders)) != len(self.seeders):
+            raise ValueError(f"seeders are at most {MAX_SEEDERS} distinct public keys")
 
     @property
     def total_bytes(self) -> int:
@@ -84,7 +94,12 @@ class Manifest:
     def signer_peer_id(self) -> str:
         return peer_id_from_public_key(self.signer)
 
+    @property
+    def seeder_peer_ids(self) -> tuple[str, ...]:
+        return tuple(peer_id_from_public_key(k) for k in self.seeders)
+
     def body(self) -> bytes:
+        extra: dict[str, object] = {"seeders": list(self.seeders)} if self.seeders else {}
         return strict.pack({
             "v": FORMAT_VERSION,
             "run": self.run,
@@ -99,6 +114,7 @@ class Manifest:
             "keep": self.keep_versions,
             "time": self.time_ms,
             "signer": self.signer,
+            **extra,
         })
 
     def sign(self, identity: Identity) -> SignedManifest:
@@ -106,7 +122,7 @@ class Manifest:
         signed_body = Manifest(
             self.run, self.step, self.kind, self.base_root, self.target_root,
             self.layout_digest, self.codec, self.piece_size, self.chunks,
-            self.keep_versions, self.time_ms, identity.public_key,
+            self.keep_versions, self.time_ms, identity.public_key, self.seeders,
         )
         body = signed_body.body()
         return SignedManifest(signed_body, body, sign_message(identity, _DOMAIN, body))
@@ -160,10 +176,19 @@ class SignedManifest:
 def decode_body(body: bytes) -> Manifest:
     """:raises DecodeError: the body is not a valid canonical manifest body."""
     obj = strict.unpack(body, max_bytes=MAX_MANIFEST_BYTES, max_bin=DIGEST_LEN,
-                        max_array=MAX_CHUNKS, max_map=len(_BODY_KEYS), max_str=MAX_RUN_LEN)
+                        max_array=MAX_CHUNKS, max_map=len(_BODY_KEYS) + 1, max_str=MAX_RUN_LEN)
     if isinstance(obj, dict) and "v" in obj and obj["v"] != FORMAT_VERSION:
         raise DecodeError(f"manifest: unknown format version {obj['v']!r}")
-    m = strict.as_map(obj, _BODY_KEYS, "manifest")
+    with_seeders = isinstance(obj, dict) and "seeders" in obj
+    m = strict.as_map(obj, _BODY_KEYS | {"seeders"} if with_seeders else _BODY_KEYS,
+                      "manifest")
+    seeders: list[bytes] = []
+    if with_seeders:
+        rows = strict.get_list(m, "seeders", MAX_SEEDERS)
+        if not rows or any(type(k) is not bytes or len(k) != PUBLIC_KEY_LEN for k in rows):
+            raise DecodeError(f"manifest: seeders are 1..{MAX_SEEDERS} public keys of "
+                              f"{PUBLIC_KEY_LEN} bytes (absent when none)")
+        seeders = rows
     strict.get_int(m, "v", FORMAT_VERSION, FORMAT_VERSION)
     kind = strict.get_str(m, "kind", 16, KINDS)
     base: bytes | None
@@ -195,6 +220,7 @@ def decode_body(body: bytes) -> Manifest:
             keep_versions=strict.get_int(m, "keep", 0, 1 << 20),
             time_ms=strict.get_int(m, "time", 0, MAX_STEP),
             signer=strict.get_bytes(m, "signer", PUBLIC_KEY_LEN),
+            seeders=tuple(seeders),
         )
     except ValueError as exc:
         raise DecodeError(f"manifest: {exc}") from exc
