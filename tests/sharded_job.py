@@ -32,6 +32,11 @@ def full_bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             .to(torch.bfloat16).contiguous().clone() for k, v in model.state_dict().items()}
 
 
+def seeder(rank: int) -> Identity:
+    """The node that seeds rank ``rank``'s chunks (rank 0's is the trainer's)."""
+    return Identity.from_seed(bytes([100 + rank]) * 32)
+
+
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, MODEL.vocab_size, (4, 12), generator=g)
@@ -81,14 +86,16 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, piece_size: i
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     key = Identity.from_seed((path / "key").read_bytes()) if rank == 0 else None
     pub = ShardedPublisher("sharded-test", identity=key, piece_size=piece_size,
-                           chunk_target=4096, threads=2)
+                           chunk_target=4096, threads=2, seeder=seeder(rank).peer_id)
     record: dict[str, Any] = {"versions": [], "bytes_sent": [], "states": {},
-                              "chunks": {}, "error": None, "placement": _refused_placement()}
+                              "chunks": {}, "rank_chunks": {}, "piece_ids": {}, "error": None,
+                              "placement": _refused_placement()}
     expect = None
     if resume:
         expect = torch.load(path / "announced.pt")["root"]
     start = pub.start(model.state_dict(), first, expect_root=expect)
     record["start_root"] = start.root
+    record["piece_ids"][first] = start.piece_ids
     full = full_bf16(model)
     if rank == 0:
         record["states"][first] = full
@@ -111,6 +118,8 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, piece_size: i
                 merged.update(part)
             record["versions"].append(v.manifest.encode() if v.manifest else b"")
             record["chunks"][v.step] = merged
+            record["rank_chunks"][v.step] = everyone
+            record["piece_ids"][v.step] = v.piece_ids
             record["states"][v.step] = full
             torch.save({"root": v.root}, path / "announced.pt")
             torch.save({"model": master, "step": v.step}, path / "checkpoint.pt")

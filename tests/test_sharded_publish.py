@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from sharded_job import run
+from sharded_job import run, seeder
 
 from swarm.content.manifest import SignedManifest
 from swarm.delta.patch import Patcher
 from swarm.delta.pipeline import EncoderConfig, encode_delta_sync
-from swarm.delta.state import state_root_of
+from swarm.delta.state import piece_ids_of_state, state_root_of
 from swarm.identity import Identity
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -35,10 +35,11 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
 
 
-def _check_versions(rec: dict[str, Any], key: Identity, piece_size: int,
-                    first: int) -> list[SignedManifest]:
+def _check_versions(rec: dict[str, Any], key: Identity, piece_size: int, first: int,
+                    world: int) -> list[SignedManifest]:
     states = rec["states"]
     assert rec["start_root"] == state_root_of(states[first], piece_size)
+    hosts = tuple(seeder(r).public_key for r in range(1, world))
     out = []
     for data in rec["versions"]:
         sm = SignedManifest.decode(data, trusted_signer=key.public_key)
@@ -47,6 +48,10 @@ def _check_versions(rec: dict[str, Any], key: Identity, piece_size: int,
         # the roots are the single-process path's
         assert m.base_root == state_root_of(before, piece_size)
         assert m.target_root == state_root_of(after, piece_size)
+        # the other ranks' nodes are authorized to seed, and the root rank knows every
+        # piece id (a keyframe of the version, served by peers holding it)
+        assert m.seeders == hosts
+        assert list(rec["piece_ids"][m.step]) == piece_ids_of_state(after, piece_size)
         single, _ = encode_delta_sync(before, after, key, "sharded-test", m.step,
                                       config=EncoderConfig(piece_size=piece_size))
         assert single.manifest.target_root == m.target_root
@@ -74,7 +79,7 @@ def test_sharded_publish_gives_the_single_process_roots_and_peer_states(
     rec = _load(tmp_path)
     key = Identity.from_seed((tmp_path / "key").read_bytes())
     assert rec["error"] is None
-    sms = _check_versions(rec, key, piece_size, 0)
+    sms = _check_versions(rec, key, piece_size, 0, world)
     assert [sm.manifest.step for sm in sms] == [1, 2, 3]
     # chunks of every rank are in the one manifest
     assert all(len(sm.manifest.chunks) >= world for sm in sms)
@@ -99,6 +104,6 @@ def test_sharded_rank_killed_mid_publish_leaves_the_version_unsigned_and_a_resta
     assert again["error"] is None
     announced_root = SignedManifest.decode(rec["versions"][0]).manifest.target_root
     assert again["start_root"] == announced_root
-    sms = _check_versions(again, key, 4096, 1)
+    sms = _check_versions(again, key, 4096, 1, 2)
     assert [sm.manifest.step for sm in sms] == [2, 3]
     assert sms[0].manifest.base_root == announced_root

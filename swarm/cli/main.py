@@ -35,6 +35,8 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
                    "the trainer's rollout checks: honest vs cheating gaps, refusals, cost"),
         "attacks": ("swarm.bench.attacks",
                     "honest peers' sync time and memory with a liar or a flooder among them"),
+        "sharded": ("swarm.bench.sharded",
+                    "an FSDP2 job's sharded publish vs gathering the state to one rank"),
     },
 }
 

@@ -44,7 +44,7 @@ from swarm.delta.codec import CODEC_NAME, SEGMENT_ELEMS, EncodedSegment, encode_
 from swarm.delta.dtypes import BIT_FORMATS, bits_view, dtype_name
 from swarm.delta.pipeline import ChunkAssembler
 from swarm.errors import IntegrityError, LocalProtocolError, SwarmError
-from swarm.identity import Identity
+from swarm.identity import Identity, public_key_from_peer_id
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,9 @@ class ShardedVersion:
     """The signed delta (None for ``start``)."""
     chunks: dict[int, bytes]
     """This rank's chunks, by index in the manifest: the ones it seeds."""
+    piece_ids: tuple[bytes, ...]
+    """The full state's piece ids, in order, on the root rank (a keyframe's chunks: any
+    peer holding the version serves them); empty on the others."""
     changes: int
     """Elements this rank found changed."""
     group_bytes: int
@@ -136,9 +139,11 @@ class ShardedPublisher:
                  group: dist.ProcessGroup | None = None, root_rank: int = 0,
                  dtype: torch.dtype = torch.bfloat16, piece_size: int = DEFAULT_PIECE_SIZE,
                  chunk_target: int = 2 << 20, keep_versions: int = 16,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, seeder: str | None = None) -> None:
         """``identity``: the run's key, needed on ``root_rank`` (a rank of ``group``)
-        only: it signs."""
+        only: it signs. ``seeder``: the peer id of the node that seeds this rank's chunks
+        (a :class:`~swarm.roles.seeder.SeederNode`; on the root rank, the trainer's own
+        node, which needs no listing); the manifests authorize every other rank's."""
         check_piece_size(piece_size)
         self.run = run
         self.group = group
@@ -153,6 +158,8 @@ class ShardedPublisher:
         self.chunk_target = chunk_target
         self.keep_versions = keep_versions
         self.threads = threads or os.cpu_count() or 1
+        self.seeder = None if seeder is None else public_key_from_peer_id(seeder)
+        self._seeders: tuple[bytes, ...] = ()
         self.step = -1
         self.root: bytes | None = None
         self._layout: StateLayout | None = None
@@ -169,12 +176,30 @@ class ShardedPublisher:
         """
         t0 = time.monotonic()
         layout, shards, snaps = self._snapshot(state)
-        root, sent = self._root(layout, shards, snaps, step)
+        keys = self._gather(self.seeder, step)
+        if keys is not None:
+            own = self.identity.public_key if self.identity is not None else None
+            self._seeders = tuple(dict.fromkeys(
+                k for r, k in enumerate(keys)
+                if k is not None and k != own and r != self.root_rank))
+        pieces = self._pieces(layout, shards, snaps)
+        gathered = self._gather(pieces, step)
+        ids: list[bytes] = []
+
+        def merge() -> bytes:
+            assert gathered is not None
+            ids.extend(self._merge_ids(layout, gathered))
+            return state_root(layout, ids, self.piece_size)
+
+        root = self._from_root(merge, step)
+        sent = _pickled(self.seeder) + _pickled(pieces) + \
+            (_pickled(root) if self.rank == self.root_rank else 0)
         if expect_root is not None and root != expect_root:
             raise IntegrityError(f"the state's root is not the announced root of step {step}: "
                                  f"it is not the version peers hold")
         self._take(layout, shards, snaps, step, root)
-        return ShardedVersion(step, root, None, {}, 0, sent, time.monotonic() - t0)
+        return ShardedVersion(step, root, None, {}, tuple(ids), 0, sent,
+                              time.monotonic() - t0)
 
     def publish(self, state: Mapping[str, torch.Tensor], *,
                 time_ms: int = 0) -> ShardedVersion:
@@ -200,9 +225,12 @@ class ShardedPublisher:
         gathered = self._gather(payload, step)
         sent += _pickled(payload)
 
+        ids: list[bytes] = []
+
         def sign() -> list[Any]:
             assert gathered is not None and self.identity is not None
-            root = self._merge_root(layout, [g[1] for g in gathered])
+            ids.extend(self._merge_ids(layout, [g[1] for g in gathered]))
+            root = state_root(layout, ids, self.piece_size)
             offsets = [0]
             for g in gathered:
                 offsets.append(offsets[-1] + len(g[0]))
@@ -210,8 +238,8 @@ class ShardedPublisher:
                           target_root=root, layout_digest=layout.digest, codec=CODEC_NAME,
                           piece_size=self.piece_size,
                           chunks=tuple(tuple(c) for g in gathered for c in g[0]),
-                          keep_versions=self.keep_versions, time_ms=time_ms
-                          ).sign(self.identity)
+                          keep_versions=self.keep_versions, time_ms=time_ms,
+                          seeders=self._seeders).sign(self.identity)
             return [sm.encode(), offsets]
 
         data, offsets = self._from_root(sign, step)
@@ -226,8 +254,8 @@ class ShardedPublisher:
                                      f"lists it")
         root = sm.manifest.target_root
         self._take(layout, shards, snaps, step, root)
-        return ShardedVersion(step, root, sm, own, sum(c.changes for c in chunks), sent,
-                              time.monotonic() - t0)
+        return ShardedVersion(step, root, sm, own, tuple(ids),
+                              sum(c.changes for c in chunks), sent, time.monotonic() - t0)
 
     # -- this rank's part --------------------------------------------------------------
     def _snapshot(self, state: Mapping[str, torch.Tensor]
@@ -289,21 +317,10 @@ class ShardedPublisher:
         with ThreadPoolExecutor(max_workers=self.threads) as pool:
             return list(pool.map(one, jobs))
 
-    def _root(self, layout: StateLayout, shards: Sequence[LocalShard],
-              snaps: Sequence[torch.Tensor], step: int) -> tuple[bytes, int]:
-        pieces = self._pieces(layout, shards, snaps)
-        gathered = self._gather(pieces, step)
-
-        def merge() -> bytes:
-            assert gathered is not None
-            return self._merge_root(layout, gathered)
-
-        root = self._from_root(merge, step)
-        return root, _pickled(pieces) + (_pickled(root) if self.rank == self.root_rank else 0)
-
     # -- the root rank -----------------------------------------------------------------
-    def _merge_root(self, layout: StateLayout, by_rank: Sequence[Sequence[list[Any]]]
-                    ) -> bytes:
+    def _merge_ids(self, layout: StateLayout, by_rank: Sequence[Sequence[list[Any]]]
+                   ) -> list[bytes]:
+        """Every piece id of the state, in order, from the ranks' digests and summaries."""
         size = self.piece_size
         whole: dict[tuple[int, int], bytes] = {}
         parts: dict[tuple[int, int], list[piecetree.PiecePart]] = {}
@@ -334,7 +351,7 @@ class ShardedPublisher:
                     ids.append(piecetree.merge(n, parts[key]))
                 except ValueError as exc:
                     raise LocalProtocolError(f"{spec.name}: piece {k}: {exc}") from exc
-        return state_root(layout, ids, size)
+        return ids
 
     def _gather(self, obj: object, step: int) -> list[Any] | None:
         out: list[Any] | None = None
