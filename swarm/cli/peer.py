@@ -126,10 +126,15 @@ async def _main(args: argparse.Namespace) -> int:
     net_cfg = node_config(args, bootstrap=tuple(args.bootstrap))
     async with stop_on_signals(), Libp2pNode(identity, net_cfg) as raw, \
             shaped(raw, args) as net:
+        seen_as = raw.reach.observed if raw.reach is not None else None
         report.emit("ready", addr=raw.listen_addresses[0], peer_id=identity.peer_id,
-                    region=args.region)
+                    region=args.region, reachability=raw.reachability, seen_as=seen_as)
         report.say(f"peer {identity.peer_id} listening on {raw.listen_addresses[0]}; "
                    f"following trainer {args.trainer}")
+        if raw.reachability == "private":
+            report.say(f"not reachable from outside (the bootstrap sees us as {seen_as} and "
+                       "could not dial back): advertising no address; neighbours are "
+                       "reached by dialling out")
         signed = await obtain_card(raw, trainer_id=args.trainer, run=args.run,
                                    data_dir=args.data_dir, timeout=args.card_timeout,
                                    say=report.say, warn_after=max(0.1, args.warn_after),

@@ -47,6 +47,16 @@ from swarm.net.directory import META_PROTOCOL, PeerDirectory, read_metadata
 from swarm.net.gossip import GossipConfig, Libp2pGossip, Libp2pSubscription
 from swarm.net.logs import route_libp2p_logging
 from swarm.net.queues import EventQueue, Inbox
+from swarm.net.reach import (
+    DIAL_BACK_TIMEOUT,
+    MAX_PORTS,
+    PRIVATE,
+    REACH_PROTOCOL,
+    UNKNOWN,
+    Reach,
+    ReachServer,
+)
+from swarm.net.reach import ask as ask_reach
 from swarm.net.transport import (
     Message,
     MessageTooLarge,
@@ -89,6 +99,9 @@ class NodeConfig:
     region: str = ""
     #: Seconds between metadata publications (when ``run`` is set).
     metadata_interval: float = 5.0
+    #: Ask the first bootstrap node that answers to dial this node back
+    #: (:mod:`swarm.net.reach`); behind a NAT it then advertises no address.
+    check_reach: bool = True
     #: The largest message on the libp2p fallback path (the data plane has its own).
     max_message_bytes: int = (16 << 20) + (64 << 10)
     #: Concurrent inbound message streams one peer may hold open.
@@ -157,9 +170,15 @@ class Libp2pNode:
         self._gossip = Libp2pGossip(self.config.gossip, self._peer_id, self._check_open,
                                     on_invalid=self._gossip_violation)
         self._card = BlobServer()
+        self._reach_server = ReachServer()
+        #: What the dial-back check found: ``public``, ``private`` (advertises no
+        #: address) or ``unknown`` (advertises as if public).
+        self.reachability = UNKNOWN
+        #: The bootstrap node's answer (the address it saw us at), if any.
+        self.reach: Reach | None = None
         self._directory = PeerDirectory(
             identity, region=self.config.region, advertise=self.config.data_plane_advertise,
-            addresses=lambda: self.listen_addresses, data_address=lambda: self.data_address)
+            addresses=self._advertised_addresses, data_address=self._advertised_data)
         self._tasks: set[asyncio.Task[None]] = set()
         self._entered = False
         self._closed = False
@@ -190,6 +209,7 @@ class Libp2pNode:
             if self.config.run is not None:
                 await self._join_run(self.config.run)
             await self._bootstrap()
+            await self._check_reach()
         except BaseException:
             await self.aclose()
             raise
@@ -232,6 +252,7 @@ class Libp2pNode:
                 host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
                 host.set_stream_handler(TProtocol(META_PROTOCOL), self._directory.serve)
                 host.set_stream_handler(TProtocol(CARD_PROTOCOL), self._card.serve)
+                host.set_stream_handler(TProtocol(REACH_PROTOCOL), self._reach_server.serve)
                 host.get_network().register_notifee(cast("INotifee", _Notifee(self)))
                 self._host = host
                 try:
@@ -263,6 +284,52 @@ class Libp2pNode:
                 errors.append(f"{addr}: {exc}")
         if len(errors) == len(self.config.bootstrap):
             raise PeerUnreachable("no bootstrap node answered: " + "; ".join(errors))
+
+    async def _check_reach(self) -> None:
+        """Ask a bootstrap node to dial us back (:mod:`swarm.net.reach`); behind a NAT,
+        reseal our metadata without addresses."""
+        if not self.config.check_reach or not self.config.bootstrap or not self.listen_addresses:
+            return
+        try:
+            me = parse_tcp_multiaddr(self.listen_addresses[0])
+        except PeerUnreachable:
+            return
+        ports = [me.port]
+        if self.plane is not None and self.plane.address is not None \
+                and not self.config.data_plane_advertise:
+            ports.append(self.plane.address[1])
+        guest = self._check_open()
+        for addr in self.config.bootstrap:
+            peer = addr.rsplit("/", 1)[-1]
+            if peer not in self._paths:
+                continue
+            try:
+                async with asyncio.timeout(self.config.connect_timeout
+                                           + DIAL_BACK_TIMEOUT * MAX_PORTS):
+                    reach = await guest.run(self._trio_ask_reach, peer, tuple(ports))
+            except (BridgeClosed, TransportClosed):
+                raise
+            except Exception as exc:  # an older node without the protocol, a time-out
+                logger.info("no reachability answer from %s: %r", peer, exc)
+                continue
+            self.reach = reach
+            self.reachability = reach.verdict(me.host, tuple(ports))
+            if self.reachability == PRIVATE:
+                logger.info("not reachable at %s (seen as %s, dial-back opened %s of ports "
+                            "%s): advertising no address", me.host, reach.observed,
+                            list(reach.open), ports)
+                self._directory.seal()
+            return
+
+    async def _trio_ask_reach(self, peer: str, ports: tuple[int, ...]) -> Reach:
+        stream = await self._trio_new_stream(peer, REACH_PROTOCOL, self.config.connect_timeout)
+        return await ask_reach(stream, ports, DIAL_BACK_TIMEOUT * MAX_PORTS + 2.0)
+
+    def _advertised_addresses(self) -> tuple[str, ...]:
+        return () if self.reachability == PRIVATE else self.listen_addresses
+
+    def _advertised_data(self) -> tuple[str, int] | None:
+        return None if self.reachability == PRIVATE else self.data_address
 
     # -- Transport ---------------------------------------------------------------------
     @property
