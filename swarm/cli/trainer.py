@@ -205,7 +205,7 @@ async def _main(args: argparse.Namespace) -> int:
         have, peers = await wait_delivered(node, _rollout_peers(net, args), args.linger)
         took = time.monotonic() - t0
         report.emit("delivered", step=node.step, peers=len(peers), have=len(have),
-                    seconds=round(took, 3))
+                    seconds=round(took, 3), egress=node.driver.exchange.bytes_up)
         short = "" if have >= peers else f" within --linger {args.linger:g} s"
         report.say(f"last version {node.step} reached {len(have)} of {len(peers)} connected "
                    f"peer(s){short} ({took:.1f} s); seeding until --linger ends")
