@@ -40,16 +40,18 @@ def say(line: str) -> None:
 class SwarmChild:
     """One ``python -m swarm ARGV`` child (ARGV ends with ``--status-json``): its JSON
     events, read by a thread; its stderr goes to ``WORKDIR/NAME.stderr`` (``verbose``:
-    that many ``-v``, more logging there)."""
+    that many ``-v``, more logging there; ``launcher``: a command prefix it runs under,
+    such as ``ip netns exec NS``)."""
 
-    def __init__(self, name: str, argv: list[str], workdir: Path, verbose: int = 0) -> None:
+    def __init__(self, name: str, argv: list[str], workdir: Path, verbose: int = 0,
+                 launcher: Sequence[str] = ()) -> None:
         self.name = name
         self.events: list[Event] = []
         self._cond = threading.Condition()
         self.stderr_path = workdir / f"{name}.stderr"
         with self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "swarm", *["-v"] * verbose, *argv],
+                [*launcher, sys.executable, "-m", "swarm", *["-v"] * verbose, *argv],
                 stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._reader = threading.Thread(target=self._read, daemon=True)
