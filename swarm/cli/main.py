@@ -38,6 +38,11 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
         "sharded": ("swarm.bench.sharded",
                     "an FSDP2 job's sharded publish vs gathering the state to one rank"),
     },
+    "lab": {
+        "run": ("swarm.lab.runner",
+                "a swarm in a kernel network lab (namespaces, tbf uplinks, home NATs)"),
+        "cleanup": ("swarm.lab.cleanup", "remove what killed lab runs left behind"),
+    },
 }
 
 
