@@ -88,14 +88,14 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, piece_size: i
     pub = ShardedPublisher("sharded-test", identity=key, piece_size=piece_size,
                            chunk_target=4096, threads=2, seeder=seeder(rank).peer_id)
     record: dict[str, Any] = {"versions": [], "bytes_sent": [], "states": {},
-                              "chunks": {}, "rank_chunks": {}, "piece_ids": {}, "error": None,
+                              "chunks": {}, "rank_chunks": {}, "pieces": {}, "error": None,
                               "placement": _refused_placement()}
     expect = None
     if resume:
         expect = torch.load(path / "announced.pt")["root"]
     start = pub.start(model.state_dict(), first, expect_root=expect)
     record["start_root"] = start.root
-    record["piece_ids"][first] = start.piece_ids
+    record["pieces"][first] = start.pieces
     full = full_bf16(model)
     if rank == 0:
         record["states"][first] = full
@@ -119,7 +119,7 @@ def worker(rank: int, world: int, port: int, out: str, steps: int, piece_size: i
             record["versions"].append(v.manifest.encode() if v.manifest else b"")
             record["chunks"][v.step] = merged
             record["rank_chunks"][v.step] = everyone
-            record["piece_ids"][v.step] = v.piece_ids
+            record["pieces"][v.step] = v.pieces
             record["states"][v.step] = full
             torch.save({"root": v.root}, path / "announced.pt")
             torch.save({"model": master, "step": v.step}, path / "checkpoint.pt")

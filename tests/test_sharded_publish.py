@@ -51,7 +51,8 @@ def _check_versions(rec: dict[str, Any], key: Identity, piece_size: int, first: 
         # the other ranks' nodes are authorized to seed, and the root rank knows every
         # piece id (a keyframe of the version, served by peers holding it)
         assert m.seeders == hosts
-        assert list(rec["piece_ids"][m.step]) == piece_ids_of_state(after, piece_size)
+        assert [cid for cid, _ in rec["pieces"][m.step]] == \
+            piece_ids_of_state(after, piece_size)
         single, _ = encode_delta_sync(before, after, key, "sharded-test", m.step,
                                       config=EncoderConfig(piece_size=piece_size))
         assert single.manifest.target_root == m.target_root

@@ -39,7 +39,12 @@ import torch.distributed as dist
 from swarm.content import piecetree
 from swarm.content.layout import StateLayout, TensorSpec
 from swarm.content.manifest import Manifest, SignedManifest
-from swarm.content.pieces import DEFAULT_PIECE_SIZE, check_piece_size, state_root
+from swarm.content.pieces import (
+    DEFAULT_PIECE_SIZE,
+    check_piece_size,
+    piece_slices,
+    state_root,
+)
 from swarm.delta.codec import CODEC_NAME, SEGMENT_ELEMS, EncodedSegment, encode_segment
 from swarm.delta.dtypes import BIT_FORMATS, bits_view, dtype_name
 from swarm.delta.pipeline import ChunkAssembler
@@ -122,9 +127,10 @@ class ShardedVersion:
     """The signed delta (None for ``start``)."""
     chunks: dict[int, bytes]
     """This rank's chunks, by index in the manifest: the ones it seeds."""
-    piece_ids: tuple[bytes, ...]
-    """The full state's piece ids, in order, on the root rank (a keyframe's chunks: any
-    peer holding the version serves them); empty on the others."""
+    pieces: tuple[tuple[bytes, int], ...]
+    """The full state's pieces (id, size), in order, on the root rank: the chunks of a
+    keyframe of this version, which any peer holding the version serves; empty on the
+    other ranks."""
     changes: int
     """Elements this rank found changed."""
     group_bytes: int
@@ -198,7 +204,8 @@ class ShardedPublisher:
             raise IntegrityError(f"the state's root is not the announced root of step {step}: "
                                  f"it is not the version peers hold")
         self._take(layout, shards, snaps, step, root)
-        return ShardedVersion(step, root, None, {}, tuple(ids), 0, sent,
+        return ShardedVersion(step, root, None, {}, _sized(layout, ids, self.piece_size), 0,
+                              sent,
                               time.monotonic() - t0)
 
     def publish(self, state: Mapping[str, torch.Tensor], *,
@@ -254,7 +261,7 @@ class ShardedPublisher:
                                      f"lists it")
         root = sm.manifest.target_root
         self._take(layout, shards, snaps, step, root)
-        return ShardedVersion(step, root, sm, own, tuple(ids),
+        return ShardedVersion(step, root, sm, own, _sized(layout, ids, self.piece_size),
                               sum(c.changes for c in chunks), sent, time.monotonic() - t0)
 
     # -- this rank's part --------------------------------------------------------------
@@ -387,6 +394,14 @@ class ShardedPublisher:
             raise LocalProtocolError(f"step {step} was not published: the root rank "
                                      f"failed: {value}")
         return value  # type: ignore[no-any-return]
+
+
+def _sized(layout: StateLayout, ids: Sequence[bytes], piece_size: int
+           ) -> tuple[tuple[bytes, int], ...]:
+    if not ids:
+        return ()
+    return tuple((cid, n) for cid, (_, _, n) in zip(ids, piece_slices(layout, piece_size),
+                                                   strict=True))
 
 
 def _pickled(obj: object) -> int:

@@ -235,6 +235,28 @@ class Exchange(DownloadSide, UploadSide):
             self._out.append((peer, Unchoke()))
         self._update_interest(now)
 
+    def set_trainer(self, peer: str, trainer: bool, now: float) -> None:
+        """A neighbour turned out to seed for the trainer (a manifest named it), or no
+        longer does: what it holds counts as the trainer's from now on (or no longer)."""
+        p = self._peers.get(peer)
+        if p is None or p.trainer == trainer:
+            return
+        was_local = self._is_local(p)
+        p.trainer = trainer
+        if self._is_local(p) != was_local:
+            step = -1 if was_local else 1
+            for obj, idxs in p.haves.items():
+                o = self._objects.get(obj)
+                if o is not None:
+                    for idx in idxs:
+                        o.local[idx] += step
+        self._locals = None
+        for ob in self._objects.values():
+            ob.importers.clear()
+            ob.ranks.clear()
+        self._update_interest(now)
+        self._pick(now)
+
     def disconnect(self, peer: str, now: float) -> None:
         """A neighbour is gone; its requests go elsewhere."""
         p = self._peers.pop(peer, None)

@@ -81,6 +81,9 @@ class Discovery:
         self._trainer_lost = asyncio.Event()
         self.reconnects = 0
         self.backoff = Backoff(config.reconnect_min)
+        #: Trainer seeders the newest manifest names: dialled first, as the trainer is,
+        #: and not counted among the neighbours.
+        self.seeders: frozenset[str] = frozenset()
 
     def trainer_lost(self) -> None:
         self._trainer_lost.set()
@@ -93,15 +96,20 @@ class Discovery:
         while True:
             await asyncio.sleep(cfg.interval)
             connected = self.net.connected_peers()
-            others = [p for p in connected if p != cfg.trainer]
-            if len(others) >= cfg.max_neighbours and cfg.trainer in connected:
+            trainers = self.seeders | {cfg.trainer}
+            others = [p for p in connected if p not in trainers]
+            if len(others) >= cfg.max_neighbours and trainers <= set(connected):
                 continue
             entries = self.net.directory()
-            # The trainer first (when we joined through a bootstrap node), then others.
-            order = sorted(entries.items(), key=lambda kv: (kv[0] != cfg.trainer, kv[0]))
+            # The trainer and its seeders first (when we joined through a bootstrap node),
+            # then others.
+            order = sorted(entries.items(), key=lambda kv: (kv[0] != cfg.trainer,
+                                                            kv[0] not in trainers, kv[0]))
             if len(self.backoff) > len(entries):
                 self.backoff.keep_only(entries)
             for peer, meta in order:
+                if peer not in trainers and len(others) >= cfg.max_neighbours:
+                    break  # the trainer and its seeders come first in the order
                 if peer in connected or peer == self.net.peer_id or not meta.addrs:
                     continue
                 if not self.backoff.ready(peer, self.clock.now()):
@@ -110,13 +118,12 @@ class Discovery:
                     await self.net.connect(meta.addrs[0])
                 except (SwarmError, OSError) as exc:
                     log.debug("dial %s: %s", peer, exc)
-                    cap = cfg.reconnect_max if peer == cfg.trainer else DISCOVER_RETRY_MAX
+                    cap = cfg.reconnect_max if peer in trainers else DISCOVER_RETRY_MAX
                     self.backoff.failed(peer, self.clock.now(), cap)
                 else:
                     self.backoff.succeeded(peer)
-                    others.append(peer)
-                if len(others) >= cfg.max_neighbours:
-                    break
+                    if peer not in trainers:
+                        others.append(peer)
 
     async def run_reconnect(self) -> None:
         """Redial the bootstrap addresses while the trainer is away (bounded backoff)."""

@@ -146,6 +146,10 @@ class ExchangeDriver:
         self.exchange.connect(peer, self.now(), region=region, rtt=rtt, trainer=trainer)
         self._pump()
 
+    def set_trainer(self, peer: str, trainer: bool) -> None:
+        self.exchange.set_trainer(peer, trainer, self.now())
+        self._pump()
+
     def disconnected(self, peer: str) -> None:
         link = self._links.pop(peer, None)
         if link is not None and link.task is not None:

@@ -235,7 +235,8 @@ class RolloutPeer(NodeBase):
     def on_peer(self, peer: str, connected: bool) -> None:
         if connected:
             self.driver.connected(peer, region=self.region_of(peer),
-                                  trainer=peer == self.config.trainer)
+                                  trainer=peer == self.config.trainer
+                                  or peer in self.discovery.seeders)
             if peer == self.config.trainer:
                 self.follower.trainer_connected(self.clock.now())
                 self._wake.set()
@@ -358,12 +359,27 @@ class RolloutPeer(NodeBase):
             await self.mux.send(Channel.SYNC, self.config.trainer,
                                 sync.encode(sync.SyncRequest(after)))
 
+    def _seeders_named(self, sm: SignedManifest) -> None:
+        """The trainer seeders the newest manifest names (the other ranks of a sharded
+        trainer): dialled like the trainer, and the trainer's peers in the exchange."""
+        if sm.manifest.step < self.follower.head or sm.manifest.kind != "delta":
+            return
+        named = frozenset(sm.manifest.seeder_peer_ids) - {self.net.peer_id,
+                                                           self.config.trainer}
+        if named == self.discovery.seeders:
+            return
+        changed = named ^ self.discovery.seeders
+        self.discovery.seeders = named
+        for peer in changed & set(self.net.connected_peers()):
+            self.driver.set_trainer(peer, peer in named)
+
     def _offer(self, data: bytes) -> None:
         try:
             sm = SignedManifest.decode(data, trusted_signer=self.trainer_key)
         except SwarmError as exc:
             log.warning("dropped a manifest: %s", exc)
             return
+        self._seeders_named(sm)
         offered = self.follower.offer(sm, self.clock.now())
         if self.driver.lie_about_chunks and sm.manifest.chunks and \
                 not self.driver.has_object(sm.id):

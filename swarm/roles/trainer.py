@@ -30,12 +30,19 @@ from pathlib import Path
 
 import torch
 
-from swarm.content.manifest import SignedManifest
+from swarm.content.manifest import Manifest, SignedManifest
 from swarm.content.pieces import DEFAULT_PIECE_SIZE
 from swarm.content.store import DiskChunkStore
 from swarm.delta.pipeline import EncoderConfig, encode_delta
-from swarm.delta.state import keyframe_manifest, layout_of, piece_views, state_root_of
-from swarm.errors import DecodeError, SwarmError
+from swarm.delta.sharded import ShardedVersion
+from swarm.delta.state import (
+    KEYFRAME_CODEC,
+    keyframe_manifest,
+    layout_of,
+    piece_views,
+    state_root_of,
+)
+from swarm.errors import DecodeError, IntegrityError, LocalProtocolError, SwarmError
 from swarm.identity import Identity
 from swarm.net import topics
 from swarm.protocol.checks import Check, CheckInput, CopyCheck, RootCheck
@@ -166,6 +173,8 @@ class TrainerNode(NodeBase):
         self._device_state: dict[str, torch.Tensor] | None = None
         self._root: bytes | None = None
         self._keyframe: SignedManifest | None = None
+        #: A sharded trainer's newest version as pieces (id, size): no state is held here.
+        self._pieces: tuple[tuple[bytes, int], ...] = ()
         self._accepted: asyncio.Queue[Accepted] = asyncio.Queue()
         #: Accepted results a collect() for other tasks passed over, oldest first.
         self._stray: deque[Accepted] = deque(maxlen=4096)
@@ -284,6 +293,9 @@ class TrainerNode(NodeBase):
         ``persisted`` is called once the version is on disk in ``data_dir`` and before it
         is announced (a restart from here on resumes at this version).
         """
+        if self._pieces:
+            raise LocalProtocolError("this trainer publishes sharded versions "
+                                     "(publish_sharded): it holds no full state to diff")
         t0 = self.clock.now()
         step = self.step + 1
         if self._state is None and self._book_published:
@@ -330,6 +342,58 @@ class TrainerNode(NodeBase):
         log.info("published step %d: %s, %d chunks, %d bytes (%.1fx)", step, sm.manifest.kind,
                  len(sm.manifest.chunks), payload, dense / max(1, payload))
         return Published(step, sm, payload, dense, self.clock.now() - t0)
+
+    async def publish_sharded(self, version: ShardedVersion) -> Published:
+        """Announce a version that :class:`~swarm.delta.sharded.ShardedPublisher` signed on
+        this rank (the root rank of a sharded trainer, holding this node's identity): seed
+        this rank's chunks; the other ranks' seeder nodes (:class:`~swarm.roles.seeder.SeederNode`),
+        which the manifest names, seed theirs. Leases and :meth:`collect` work as with
+        :meth:`publish`. Peers too far behind get a keyframe that peers at the version
+        serve (this node holds no full state). Not saved for restarts: a restarted job
+        starts its publisher again from its checkpoint.
+
+        :raises LocalProtocolError: not a delta signed by this node's key for this run, a
+            node that published full states, or a step that is not ahead.
+        :raises IntegrityError: the version does not follow the last one announced.
+        """
+        t0 = self.clock.now()
+        sm = version.manifest
+        if sm is None or not version.pieces:
+            raise LocalProtocolError("publish_sharded takes the root rank's result of "
+                                     "ShardedPublisher.publish (start() is not announced)")
+        m = sm.manifest
+        if m.signer != self.identity.public_key or m.run != self.config.run:
+            raise LocalProtocolError(f"step {m.step} is not signed by this trainer for run "
+                                     f"{self.config.run!r}")
+        if self._state is not None:
+            raise LocalProtocolError("this trainer publishes full states (publish): a "
+                                     "sharded trainer publishes with publish_sharded only")
+        if m.step <= self.step:
+            raise LocalProtocolError(f"step {m.step} is not ahead of step {self.step}")
+        if self._root is not None and m.base_root != self._root:
+            raise IntegrityError(f"step {m.step} does not follow step {self.step}")
+        data = dict(version.chunks)
+        await asyncio.to_thread(self._store_chunks, sm, data)
+        self._root, self._pieces = m.target_root, version.pieces
+        self.manifests.append(sm)
+        self._retain()
+        if data:
+            self.driver.add_object(ObjectSpec.from_manifest(sm), data)
+        self.leases.publish_version(m.step, self.clock.wall())
+        await self.net.publish(topics.manifests(self.config.run), sm.encode())
+        self._lease_wake.set()
+        dense = sum(n for _, n in version.pieces)
+        log.info("published step %d (sharded): %d chunks, %d here, %d bytes (%.1fx)", m.step,
+                 len(m.chunks), len(data), m.total_bytes, dense / max(1, m.total_bytes))
+        return Published(m.step, sm, m.total_bytes, dense, self.clock.now() - t0)
+
+    def _store_chunks(self, sm: SignedManifest, data: Mapping[int, Chunk]) -> None:
+        for i, chunk in data.items():
+            self._chunks.put(sm.manifest.chunks[i][0], bytes(chunk), sm.manifest.step)
+        first = self.manifests[0].manifest.step if self.manifests else sm.manifest.step
+        for v in self._chunks.versions():
+            if v < first:
+                self._chunks.drop_version(v)
 
     # -- rollout work ------------------------------------------------------------------
     def add_tasks(self, prompts: Sequence[tuple[str, Sequence[int]]], *, group_size: int,
@@ -503,6 +567,8 @@ class TrainerNode(NodeBase):
         return []
 
     def _state_bytes(self) -> int:
+        if self._pieces:
+            return sum(n for _, n in self._pieces)
         return 0 if self._state is None else layout_of(self._state).nbytes
 
     def _retain(self) -> None:
@@ -519,6 +585,16 @@ class TrainerNode(NodeBase):
             return newest
         step = newest.manifest.step
         if self._keyframe is not None and self._keyframe.manifest.step == step:
+            return self._keyframe
+        if self._pieces:  # sharded: pieces that peers at the version serve, not this node
+            assert self._root is not None
+            self._keyframe = Manifest(
+                run=self.config.run, step=step, kind="keyframe", base_root=None,
+                target_root=self._root, layout_digest=newest.manifest.layout_digest,
+                codec=KEYFRAME_CODEC, piece_size=newest.manifest.piece_size,
+                chunks=self._pieces, keep_versions=self.config.keep_versions,
+                time_ms=int(self.clock.wall() * 1000)).sign(self.identity)
+            await self.net.publish(topics.manifests(self.config.run), self._keyframe.encode())
             return self._keyframe
         assert self._state is not None
         state = self._state
