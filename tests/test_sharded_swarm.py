@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,8 @@ def _versions(rec: dict[str, Any], rank: int) -> list[ShardedVersion]:
         step = sm.manifest.step
         out.append(ShardedVersion(
             step, sm.manifest.target_root, sm, rec["rank_chunks"][step][rank],
-            rec["pieces"][step] if rank == 0 else (), 0, 0, 0.0))
+            rec["pieces"][step] if rank == 0 else (), 0, 0, 0.0,
+            sm.manifest.layout_digest, sm.manifest.piece_size))
     return out
 
 
@@ -66,8 +68,14 @@ async def test_sharded_trainer_and_a_seeder_host_serve_peers_every_version(
         snet = await stack.enter_async_context(net.transport(host))
         seed_node = await stack.enter_async_context(SeederNode(
             host, snet, SeederConfig(run="sharded-test", trainer=key.peer_id)))
-        peers = []
         root0 = state_root_of(states[0], PIECE)
+        first = _versions(rec, 0)[0]
+        start = dataclasses.replace(first, step=0, root=root0, manifest=None, chunks={},
+                                    pieces=rec["pieces"][0])
+        v0 = await trainer.publish_sharded(start)  # what the run card names as version 0
+        assert v0.manifest.manifest.kind == "keyframe"
+        assert v0.manifest.manifest.target_root == root0
+        peers: list[RolloutPeer] = []
         for i in range(3):
             ident = Identity.from_seed(bytes([i + 1]) * 32)
             pnet = await stack.enter_async_context(net.transport(ident))
@@ -87,6 +95,20 @@ async def test_sharded_trainer_and_a_seeder_host_serve_peers_every_version(
             want = state_root_of(states[mine.step], PIECE)
             for p in peers:
                 assert p.root == want and state_root_of(p.state, PIECE) == want
+        # a newcomer with other weights gets a keyframe of the newest version from the
+        # peers that hold it (the sharded trainer holds no full state)
+        ident = Identity.from_seed(b"L" * 32)
+        lnet = await stack.enter_async_context(net.transport(ident))
+        for other in (tnet, snet, *(p.net for p in peers)):
+            await lnet.connect(other.listen_addresses[0])
+        late = await stack.enter_async_context(RolloutPeer(
+            ident, lnet, PeerConfig(run="sharded-test", trainer=key.peer_id),
+            {k: torch.zeros_like(v) for k, v in states[0].items()},
+            TorchEngine(build_model(MODEL, dtype=torch.bfloat16))))
+        async with asyncio.timeout(60):
+            await late.wait_version(3)
+        assert state_root_of(late.state, PIECE) == state_root_of(states[3], PIECE)
+        assert late.verified == 1
         # every peer took the seeder for the trainer's, and both hosts uploaded their own
         for p in peers:
             assert p.discovery.seeders == {host.peer_id} and p.verify_failures == 0
@@ -96,8 +118,7 @@ async def test_sharded_trainer_and_a_seeder_host_serve_peers_every_version(
         # a version signed by another key is refused by the seeder
         first = _versions(rec, 1)[0]
         assert first.manifest is not None
-        forged = ShardedVersion(first.step, first.root, first.manifest.manifest.sign(host),
-                                first.chunks, (), 0, 0, 0.0)
+        forged = dataclasses.replace(first, manifest=first.manifest.manifest.sign(host))
         with pytest.raises(LocalProtocolError, match="not signed by the trainer"):
             seed_node.seed(forged)
         # the trainer refuses a step again, and full states once it publishes sharded ones

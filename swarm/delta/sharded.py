@@ -136,6 +136,9 @@ class ShardedVersion:
     group_bytes: int
     """Bytes this rank sent over the process group (pickled collectives)."""
     seconds: float
+    layout_digest: bytes
+    """The full state's layout digest and piece size (those of its keyframes)."""
+    piece_size: int
 
 
 class ShardedPublisher:
@@ -205,8 +208,7 @@ class ShardedPublisher:
                                  f"it is not the version peers hold")
         self._take(layout, shards, snaps, step, root)
         return ShardedVersion(step, root, None, {}, _sized(layout, ids, self.piece_size), 0,
-                              sent,
-                              time.monotonic() - t0)
+                              sent, time.monotonic() - t0, layout.digest, self.piece_size)
 
     def publish(self, state: Mapping[str, torch.Tensor], *,
                 time_ms: int = 0) -> ShardedVersion:
@@ -262,7 +264,8 @@ class ShardedPublisher:
         root = sm.manifest.target_root
         self._take(layout, shards, snaps, step, root)
         return ShardedVersion(step, root, sm, own, _sized(layout, ids, self.piece_size),
-                              sum(c.changes for c in chunks), sent, time.monotonic() - t0)
+                              sum(c.changes for c in chunks), sent, time.monotonic() - t0,
+                              layout.digest, self.piece_size)
 
     # -- this rank's part --------------------------------------------------------------
     def _snapshot(self, state: Mapping[str, torch.Tensor]

@@ -344,48 +344,75 @@ class TrainerNode(NodeBase):
         return Published(step, sm, payload, dense, self.clock.now() - t0)
 
     async def publish_sharded(self, version: ShardedVersion) -> Published:
-        """Announce a version that :class:`~swarm.delta.sharded.ShardedPublisher` signed on
-        this rank (the root rank of a sharded trainer, holding this node's identity): seed
-        this rank's chunks; the other ranks' seeder nodes (:class:`~swarm.roles.seeder.SeederNode`),
-        which the manifest names, seed theirs. Leases and :meth:`collect` work as with
-        :meth:`publish`. Peers too far behind get a keyframe that peers at the version
-        serve (this node holds no full state). Not saved for restarts: a restarted job
-        starts its publisher again from its checkpoint.
+        """Announce a version of a sharded trainer, from the root rank's
+        :class:`~swarm.delta.sharded.ShardedPublisher` (which signs with this node's key).
 
-        :raises LocalProtocolError: not a delta signed by this node's key for this run, a
-            node that published full states, or a step that is not ahead.
+        The first is the publisher's ``start()``: the version peers hold (version 0, the
+        run card's; or the one a restarted job resumes from), announced as a keyframe of
+        its pieces, which peers holding it serve (this node holds no full state). Each
+        later one is a delta: this node seeds this rank's chunks, and the other ranks'
+        seeder nodes (:class:`~swarm.roles.seeder.SeederNode`), which the manifest names,
+        seed theirs. Leases and :meth:`collect` work as with :meth:`publish`. Versions
+        are not saved for restarts: a restarted job starts its publisher again from its
+        checkpoint.
+
+        :raises LocalProtocolError: not the root rank's version, not signed by this
+            node's key for this run, a node that published full states, or a step that
+            is not ahead.
         :raises IntegrityError: the version does not follow the last one announced.
         """
         t0 = self.clock.now()
-        sm = version.manifest
-        if sm is None or not version.pieces:
-            raise LocalProtocolError("publish_sharded takes the root rank's result of "
-                                     "ShardedPublisher.publish (start() is not announced)")
-        m = sm.manifest
-        if m.signer != self.identity.public_key or m.run != self.config.run:
-            raise LocalProtocolError(f"step {m.step} is not signed by this trainer for run "
-                                     f"{self.config.run!r}")
+        if not version.pieces:
+            raise LocalProtocolError("publish_sharded takes the root rank's versions (the "
+                                     "rank that signs)")
         if self._state is not None:
             raise LocalProtocolError("this trainer publishes full states (publish): a "
                                      "sharded trainer publishes with publish_sharded only")
-        if m.step <= self.step:
-            raise LocalProtocolError(f"step {m.step} is not ahead of step {self.step}")
-        if self._root is not None and m.base_root != self._root:
-            raise IntegrityError(f"step {m.step} does not follow step {self.step}")
-        data = dict(version.chunks)
-        await asyncio.to_thread(self._store_chunks, sm, data)
-        self._root, self._pieces = m.target_root, version.pieces
+        sm = version.manifest
+        dense = sum(n for _, n in version.pieces)
+        if sm is None:
+            if self.manifests:
+                raise LocalProtocolError("a publisher's start() is announced first, once")
+            self._root, self._pieces = version.root, version.pieces
+            sm = self._pieces_keyframe(version.step, version.layout_digest,
+                                       version.piece_size)
+            self._keyframe = sm
+            data: dict[int, bytes] = {}
+        else:
+            m = sm.manifest
+            if m.signer != self.identity.public_key or m.run != self.config.run:
+                raise LocalProtocolError(f"step {m.step} is not signed by this trainer for "
+                                         f"run {self.config.run!r}")
+            if m.step <= self.step:
+                raise LocalProtocolError(f"step {m.step} is not ahead of step {self.step}")
+            if self._root is not None and m.base_root != self._root:
+                raise IntegrityError(f"step {m.step} does not follow step {self.step}")
+            data = dict(version.chunks)
+            await asyncio.to_thread(self._store_chunks, sm, data)
+            self._root, self._pieces = m.target_root, version.pieces
         self.manifests.append(sm)
         self._retain()
         if data:
             self.driver.add_object(ObjectSpec.from_manifest(sm), data)
+        m = sm.manifest
         self.leases.publish_version(m.step, self.clock.wall())
         await self.net.publish(topics.manifests(self.config.run), sm.encode())
         self._lease_wake.set()
-        dense = sum(n for _, n in version.pieces)
-        log.info("published step %d (sharded): %d chunks, %d here, %d bytes (%.1fx)", m.step,
-                 len(m.chunks), len(data), m.total_bytes, dense / max(1, m.total_bytes))
-        return Published(m.step, sm, m.total_bytes, dense, self.clock.now() - t0)
+        log.info("published step %d (sharded): %s, %d chunks, %d here, %d bytes", m.step,
+                 m.kind, len(m.chunks), len(data), m.total_bytes)
+        payload = m.total_bytes if m.kind == "delta" else 0
+        return Published(m.step, sm, payload, dense, self.clock.now() - t0)
+
+    def _pieces_keyframe(self, step: int, layout_digest: bytes, piece_size: int
+                         ) -> SignedManifest:
+        """A keyframe of a sharded trainer's version ``step``: its pieces, which peers
+        holding that version serve."""
+        assert self._root is not None
+        return Manifest(run=self.config.run, step=step, kind="keyframe", base_root=None,
+                        target_root=self._root, layout_digest=layout_digest,
+                        codec=KEYFRAME_CODEC, piece_size=piece_size, chunks=self._pieces,
+                        keep_versions=self.config.keep_versions,
+                        time_ms=int(self.clock.wall() * 1000)).sign(self.identity)
 
     def _store_chunks(self, sm: SignedManifest, data: Mapping[int, Chunk]) -> None:
         for i, chunk in data.items():
@@ -587,13 +614,8 @@ class TrainerNode(NodeBase):
         if self._keyframe is not None and self._keyframe.manifest.step == step:
             return self._keyframe
         if self._pieces:  # sharded: pieces that peers at the version serve, not this node
-            assert self._root is not None
-            self._keyframe = Manifest(
-                run=self.config.run, step=step, kind="keyframe", base_root=None,
-                target_root=self._root, layout_digest=newest.manifest.layout_digest,
-                codec=KEYFRAME_CODEC, piece_size=newest.manifest.piece_size,
-                chunks=self._pieces, keep_versions=self.config.keep_versions,
-                time_ms=int(self.clock.wall() * 1000)).sign(self.identity)
+            self._keyframe = self._pieces_keyframe(step, newest.manifest.layout_digest,
+                                                   newest.manifest.piece_size)
             await self.net.publish(topics.manifests(self.config.run), self._keyframe.encode())
             return self._keyframe
         assert self._state is not None
