@@ -98,12 +98,17 @@ def test_parse_rates() -> None:
 
 def test_reach_verdicts() -> None:
     assert Reach("10.77.11.2", (4003, 5000)).verdict("10.77.11.2", (4003, 5000)) == PUBLIC
-    # Behind a NAT: seen as the NAT's address.
+    assert not Reach("10.77.11.2", ()).seen_elsewhere("10.77.11.2")
+    # Behind a NAT: seen as the NAT's address, where the ports do not answer.
     assert Reach("10.77.11.6", ()).verdict("10.77.128.2", (4003, 5000)) == PRIVATE
     # A firewall: the address is right but a port did not answer the dial-back.
     assert Reach("10.77.11.2", (4003,)).verdict("10.77.11.2", (4003, 5000)) == PRIVATE
-    # Listening on every interface: cannot tell.
-    assert Reach("10.77.11.2", (4003,)).verdict("0.0.0.0", (4003,)) == UNKNOWN
+    # Listening on every interface, or a port forward: reachable where it is seen.
+    assert Reach("10.77.11.2", (4003,)).verdict("0.0.0.0", (4003,)) == PUBLIC
+    assert Reach("10.77.11.2", (4003,)).seen_elsewhere("0.0.0.0")
+    assert Reach("10.77.11.6", (4003,)).verdict("10.77.128.2", (4003,)) == PUBLIC
+    assert Reach("10.77.11.6", ()).verdict("0.0.0.0", (4003,)) == PRIVATE
+    assert Reach("10.77.11.2", ()).verdict("10.77.11.2", ()) == UNKNOWN
 
 
 def test_not_root_is_one_clear_line(monkeypatch: pytest.MonkeyPatch,

@@ -51,6 +51,7 @@ from swarm.net.reach import (
     DIAL_BACK_TIMEOUT,
     MAX_PORTS,
     PRIVATE,
+    PUBLIC,
     REACH_PROTOCOL,
     UNKNOWN,
     Reach,
@@ -176,6 +177,8 @@ class Libp2pNode:
         self.reachability = UNKNOWN
         #: The bootstrap node's answer (the address it saw us at), if any.
         self.reach: Reach | None = None
+        self._seen_addrs: tuple[str, ...] = ()
+        self._seen_data: tuple[str, int] | None = None
         self._directory = PeerDirectory(
             identity, region=self.config.region, advertise=self.config.data_plane_advertise,
             addresses=self._advertised_addresses, data_address=self._advertised_data)
@@ -318,7 +321,14 @@ class Libp2pNode:
                 logger.info("not reachable at %s (seen as %s, dial-back opened %s of ports "
                             "%s): advertising no address", me.host, reach.observed,
                             list(reach.open), ports)
-                self._directory.seal()
+            elif self.reachability == PUBLIC and reach.seen_elsewhere(me.host):
+                # On 0.0.0.0, or a port forward: advertise where the bootstrap reached us.
+                family = "ip6" if ":" in reach.observed else "ip4"
+                self._seen_addrs = (f"/{family}/{reach.observed}/tcp/{me.port}/p2p/"
+                                    f"{self._peer_id}",)
+                if (data := self.data_address) is not None:
+                    self._seen_data = (reach.observed, data[1])
+            self._directory.seal()
             return
 
     async def _trio_ask_reach(self, peer: str, ports: tuple[int, ...]) -> Reach:
@@ -326,10 +336,14 @@ class Libp2pNode:
         return await ask_reach(stream, ports, DIAL_BACK_TIMEOUT * MAX_PORTS + 2.0)
 
     def _advertised_addresses(self) -> tuple[str, ...]:
-        return () if self.reachability == PRIVATE else self.listen_addresses
+        if self.reachability == PRIVATE:
+            return ()
+        return self._seen_addrs or self.listen_addresses
 
     def _advertised_data(self) -> tuple[str, int] | None:
-        return None if self.reachability == PRIVATE else self.data_address
+        if self.reachability == PRIVATE:
+            return None
+        return self._seen_data or self.data_address
 
     # -- Transport ---------------------------------------------------------------------
     @property

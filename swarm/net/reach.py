@@ -9,12 +9,13 @@ connection the question came on, so a NAT that lets replies through is not mista
 a reachable address; only the asker's own observed address is dialled, so the check
 cannot be aimed at anyone else).
 
-The asker is reachable (:data:`PUBLIC`) when the observed address is the one it listens
-on and every port answered; behind a NAT or a firewall (:data:`PRIVATE`) otherwise. A
-private node advertises no address: it dials out, and the exchange uses those
-connections both ways. Where it cannot tell (no bootstrap, an older one without the
-protocol, a node listening on every interface) it is :data:`UNKNOWN` and advertises as
-before.
+The asker is reachable (:data:`PUBLIC`) when every port answered at the observed
+address; it then advertises that address (where it is not the one it listens on: a
+node on ``0.0.0.0``, a NAT with a port forward of the same ports). Behind a NAT without
+one, or a firewall, a port does not answer (:data:`PRIVATE`). A private node advertises
+no address: it dials out, and the exchange uses those connections both ways. Where it
+cannot tell (no bootstrap, an older one without the protocol) it is :data:`UNKNOWN` and
+advertises as before.
 
 Wire: request ``u8 n | n x u16 port`` (n <= :data:`MAX_PORTS`); reply ``u32 length |
 JSON {"observed": host, "open": [ports]}``.
@@ -61,11 +62,14 @@ class Reach:
     def verdict(self, listen_host: str, ports: tuple[int, ...]) -> str:
         """:data:`PUBLIC`, :data:`PRIVATE` or :data:`UNKNOWN` for a node listening on
         ``listen_host`` at ``ports``."""
-        if listen_host in UNSPECIFIED or not ports:
+        if not ports:
             return UNKNOWN
-        if self.observed != listen_host or not set(ports) <= set(self.open):
-            return PRIVATE
-        return PUBLIC
+        return PUBLIC if set(ports) <= set(self.open) else PRIVATE
+
+    def seen_elsewhere(self, listen_host: str) -> bool:
+        """Reached at another address than ``listen_host`` (``0.0.0.0``, a port
+        forward): that is the address to advertise."""
+        return self.observed != listen_host
 
 
 class ReachServer:
