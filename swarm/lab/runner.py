@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "chunks to trade)")
     p.add_argument("--timeout", type=float, default=180.0,
                    help="most seconds for a process to start or a version to reach a peer")
+    p.add_argument("--listen-any", action="store_true",
+                   help="peers listen on 0.0.0.0, as the volunteer command in the README "
+                        "(default: on their lab address)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="work in DIR and keep it (data dirs, every process's stderr)")
@@ -149,7 +152,8 @@ def _run_swarm(lab: Lab, args: argparse.Namespace, work: Path) -> Figures:
     children: list[SwarmChild] = []
 
     def start(host: Host, argv: list[str]) -> SwarmChild:
-        listen = f"/ip4/{host.addr}/tcp/{PORTS[host.role]}"
+        ip = "0.0.0.0" if args.listen_any and host.role == "peer" else host.addr
+        listen = f"/ip4/{ip}/tcp/{PORTS[host.role]}"
         child = SwarmChild(host.name, [*argv, "--data-dir", str(work / host.name), "--run",
                                        RUN, "--listen", listen, "--status-json"], work,
                            verbose=getattr(args, "verbose", 0),
@@ -182,8 +186,9 @@ def _run_swarm(lab: Lab, args: argparse.Namespace, work: Path) -> Figures:
             f.peer_id = str(ready["peer_id"])
             f.reachability = str(ready.get("reachability", "unknown"))
             nat = f"behind a NAT at {f.seen_as}" if f.natted else "public"
+            where = f"0.0.0.0 ({f.addr})" if args.listen_any else f.addr
             say(f"{f.name}: region {f.region}, {f.uplink_mbps:g} Mbit/s up, listening on "
-                f"{f.addr} ({nat}); the dial-back check says {f.reachability}"
+                f"{where} ({nat}); the dial-back check says {f.reachability}"
                 + (f", seen as {ready['seen_as']}" if ready.get("seen_as") else ""))
         for version in range(args.steps + 1):
             for f in peers:
