@@ -60,7 +60,8 @@ class DownloadSide(ExchangeState):
     def _pick_one(self, o: ObjectState, idx: int, p: PeerState, now: float) -> None:
         """``p`` announced ``idx``: request it if ``p`` can take a request and budget is
         left (a busy ``p`` is reconsidered by the next full pick, when a slot frees)."""
-        if o.complete_at is not None or p.trainer or self._room(p) <= 0:
+        if o.complete_at is not None or p.trainer or not self.config.fetch \
+                or self._room(p) <= 0:
             return
         if self._budget() <= 0:
             return
@@ -71,6 +72,8 @@ class DownloadSide(ExchangeState):
     def _pick(self, now: float) -> None:
         """Issue requests, rarest first, until the in-flight window is full."""
         cfg = self.config
+        if not cfg.fetch:
+            return
         roomy = {p.peer for p in self._peers.values()
                  if not p.choked_us and p.depth > len(p.out)}  # _room(p) > 0
         if not roomy:

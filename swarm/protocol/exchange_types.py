@@ -99,6 +99,10 @@ class ExchangeConfig:
     else offers is asked of the trainer."""
     super_seed: bool = False
     """Hand each neighbour chunks few others hold (the trainer)."""
+    fetch: bool = True
+    """Request chunks this node lacks (False: it seeds only its own share of an object,
+    as one host of a sharded trainer does; with ``super_seed`` it suggests from that
+    share)."""
     suggest_depth: int = 1
     """Super-seeding: suggestions outstanding per neighbour."""
     suggest_total: int = 32

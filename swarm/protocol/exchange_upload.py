@@ -61,7 +61,9 @@ class UploadSide(ExchangeState):
         self._ready.add(p.peer)
 
     def _interested(self, p: PeerState) -> bool:
-        """Does ``p`` lack something we hold?"""
+        """Does ``p`` lack something we hold? (Never a trainer: it fetches nothing.)"""
+        if p.trainer:
+            return False
         for obj, o in self._objects.items():
             theirs = p.haves.get(obj)
             if theirs is None:
@@ -158,12 +160,16 @@ class UploadSide(ExchangeState):
             o.importers[key] = picker.importer(idx, o.spec.obj, members)
         return o.importers[key]
 
+    def _seeding(self, o: ObjectState) -> bool:
+        """Super-seed ``o``: we hold all of it, or our share of it and fetch nothing."""
+        return not o.missing or (not self.config.fetch and bool(o.have))
+
     def _super_seed(self, now: float) -> None:
         """Trainer: keep neighbours busy with chunks that few others hold."""
         if not self.config.super_seed:
             return
         for o in self._objects.values():
-            if o.missing:
+            if not self._seeding(o):
                 continue
             peers = list(self._peers.values())
             self._rng.shuffle(peers)
@@ -180,7 +186,7 @@ class UploadSide(ExchangeState):
         cfg = self.config
         theirs = p.haves.get(o.spec.obj)
         n = len(o.spec.sizes)
-        if o.missing or theirs is None or len(theirs) >= n or p.we_choke:
+        if not self._seeding(o) or theirs is None or len(theirs) >= n or p.we_choke:
             return
         outstanding = p.suggested_to.setdefault(o.spec.obj, set())
         for i in outstanding & theirs:
@@ -193,14 +199,16 @@ class UploadSide(ExchangeState):
         if want <= 0:
             return
         owed = self.bytes_up + sum(o.pending) * o.avg_size
-        budget_left = owed < cfg.super_seed_budget * o.spec.total_bytes
+        held = o.spec.total_bytes if not o.missing else sum(o.spec.sizes[i] for i in o.have)
+        budget_left = owed < cfg.super_seed_budget * held
         # A first copy goes to the peer its region would pick to import the chunk (the
         # rendezvous rank the peers compute), so the trainer's copy doubles as that
         # region's import and no region-mate also fetches it over the WAN.
-        fresh = [i for i in range(n) if o.times_suggested[i] == 0 and i not in theirs]
+        mine = range(n) if not o.missing else sorted(o.have)
+        fresh = [i for i in mine if o.times_suggested[i] == 0 and i not in theirs]
         cands = [i for i in fresh if self._importer(o, p, i) == p.key]
         if not cands and budget_left:
-            cands = [i for i in range(n) if i not in theirs and i not in outstanding
+            cands = [i for i in mine if i not in theirs and i not in outstanding
                      and o.pending[i] == 0 and o.availability[i] <= 1]
         if not cands and not outstanding:
             cands = fresh  # keep it busy with anything not handed out yet
