@@ -8,6 +8,8 @@
 
 Each directed connection sends one chunk at a time, in order; every sender runs at most
 ``concurrency`` uploads at once, round robin over its connections (as in the swarm run).
+A trainer on ``hosts`` nodes (``0 .. hosts - 1``) has host ``h`` start with the ``h``-th
+contiguous share of the chunks and send it along the trainer's routes.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class BaselineResult:
 
 def run_plan(name: str, topo: Topology, peers: list[int], sizes: list[int],
              routes: dict[int, list[int]], *, concurrency: int = 4,
-             trainer_concurrency: int = 8, quantum: float = 0.002) -> BaselineResult:
-    """Node 0 starts with every chunk; a node forwards every chunk it gets along
-    ``routes[node]``. Returns when every peer holds every chunk."""
+             trainer_concurrency: int = 8, quantum: float = 0.002,
+             hosts: int = 1) -> BaselineResult:
+    """The trainer's hosts start with their shares of the chunks; a node forwards every
+    chunk it gets along ``routes[node]``. Returns when every peer holds every chunk."""
     net = FlowNetwork(topo, quantum=quantum)
     queues: dict[tuple[int, int], deque[int]] = {}
     waiting: dict[int, deque[int]] = {}
@@ -59,7 +62,7 @@ def run_plan(name: str, topo: Topology, peers: list[int], sizes: list[int],
 
     def serve(src: int) -> None:
         w = waiting.get(src)
-        limit = trainer_concurrency if src == 0 else concurrency
+        limit = trainer_concurrency if src < hosts else concurrency
         while w and active.get(src, 0) < limit:
             dst = w.popleft()
             q = queues[(src, dst)]
@@ -71,8 +74,10 @@ def run_plan(name: str, topo: Topology, peers: list[int], sizes: list[int],
             flows[slot] = (src, dst, k)
             active[src] = active.get(src, 0) + 1
 
-    for k in range(len(sizes)):
-        enqueue(0, k)
+    n = len(sizes)
+    for h in range(hosts):
+        for k in range(h * n // hosts, (h + 1) * n // hosts):
+            enqueue(h, k)
     seq = 0
     for _ in range(10 * len(sizes) * max(1, len(peers)) + 100):
         nxt = net.next_completion()
@@ -104,31 +109,46 @@ def run_plan(name: str, topo: Topology, peers: list[int], sizes: list[int],
     into = tuple(float(sum(net.region_bytes[s][d] for s in range(r) if s != d))
                  for d in range(r))
     completion = max(done_at.values()) if len(done_at) == len(peers) else float("inf")
-    return BaselineResult(name, completion, float(net.node_up_bytes[0]), into,
+    return BaselineResult(name, completion, float(sum(net.node_up_bytes[:hosts])), into,
                           float(sum(sizes)))
 
 
-def dense(topo: Topology, peers: list[int], dense_bytes: int, **kw: int) -> BaselineResult:
-    """The full bf16 state from the trainer to every peer, as one stream each."""
-    return run_plan("dense bf16 broadcast", topo, peers, [dense_bytes], {0: list(peers)},
-                    trainer_concurrency=max(1, len(peers)), **kw)
+def _split(nbytes: int, hosts: int) -> list[int]:
+    """``nbytes`` as one piece per host."""
+    q, r = divmod(nbytes, hosts)
+    return [q + (h < r) for h in range(hosts)]
 
 
-def unicast(topo: Topology, peers: list[int], sizes: list[int], **kw: int
-            ) -> BaselineResult:
-    """The sparse delta from the trainer to every peer, as one stream each."""
-    return run_plan("trainer-only unicast", topo, peers, [sum(sizes)], {0: list(peers)},
-                    trainer_concurrency=max(1, len(peers)), **kw)
+def dense(topo: Topology, peers: list[int], dense_bytes: int, *, hosts: int = 1,
+          **kw: int) -> BaselineResult:
+    """The full bf16 state from the trainer to every peer, as one stream each (per
+    host: its shard)."""
+    return run_plan("dense bf16 broadcast", topo, peers, _split(dense_bytes, hosts),
+                    {h: list(peers) for h in range(hosts)},
+                    trainer_concurrency=max(1, len(peers)), hosts=hosts, **kw)
 
 
-def relay(topo: Topology, peers: list[int], sizes: list[int], **kw: int) -> BaselineResult:
+def unicast(topo: Topology, peers: list[int], sizes: list[int], *, hosts: int = 1,
+            **kw: int) -> BaselineResult:
+    """The sparse delta from the trainer to every peer, as one stream each (per host:
+    its share)."""
+    return run_plan("trainer-only unicast", topo, peers, _split(sum(sizes), hosts),
+                    {h: list(peers) for h in range(hosts)},
+                    trainer_concurrency=max(1, len(peers)), hosts=hosts, **kw)
+
+
+def relay(topo: Topology, peers: list[int], sizes: list[int], *, hosts: int = 1,
+          **kw: int) -> BaselineResult:
     """One relay per region (the fastest uplink there) fans each chunk out in-region."""
     by_region: dict[int, list[int]] = {}
     for p in peers:
         by_region.setdefault(topo.region[p], []).append(p)
-    routes: dict[int, list[int]] = {0: []}
+    heads: list[int] = []
+    routes: dict[int, list[int]] = {}
     for members in by_region.values():
         head = max(members, key=lambda p: (topo.up[p], -p))
-        routes[0].append(head)
+        heads.append(head)
         routes[head] = [p for p in members if p != head]
-    return run_plan("relay per region", topo, peers, sizes, routes, **kw)
+    for h in range(hosts):
+        routes[h] = list(heads)
+    return run_plan("relay per region", topo, peers, sizes, routes, hosts=hosts, **kw)

@@ -4,6 +4,10 @@ Kumar and Ross (2006): ``T >= max(F/u_s, F/d_min, N*F/(u_s + sum u_i))`` where `
 is the trainer's upload, ``d_min`` the slowest download and the last term the total
 upload capacity. With shared WAN links a cut bound adds: every region without the trainer
 must receive ``F`` across the links into it, so ``T >= F / sum_a wan[a][r]``.
+
+A trainer on several hosts, each holding a share of the bytes: the source term is the
+slowest host's share over its upload, every host's upload adds to the total, and a
+region receives across the WAN what its own hosts do not hold.
 """
 
 from __future__ import annotations
@@ -29,20 +33,23 @@ class LowerBound:
 
 
 def lower_bound(topo: Topology, peers: list[int], nbytes: float,
-                region_names: tuple[str, ...]) -> LowerBound:
-    """The bound for delivering ``nbytes`` from node 0 (the trainer) to ``peers``."""
+                region_names: tuple[str, ...],
+                sources: dict[int, float] | None = None) -> LowerBound:
+    """The bound for delivering ``nbytes`` to ``peers`` from ``sources`` (node -> the
+    bytes only it holds; default: node 0, the trainer, holds all of them)."""
     if not peers:
         return LowerBound({"source": 0.0})
-    u_s = topo.up[0]
+    shares = sources if sources is not None else {0: nbytes}
+    u_s = sum(topo.up[h] for h in shares)
     terms = {
-        "source": nbytes / u_s,
+        "source": max(b / topo.up[h] for h, b in shares.items()),
         "slowest_download": nbytes / min(topo.down[i] for i in peers),
         "total_upload": len(peers) * nbytes / (u_s + sum(topo.up[i] for i in peers)),
     }
-    t_region = topo.region[0]
     for r in sorted({topo.region[i] for i in peers}):
-        if r == t_region:
+        inbound = nbytes - sum(b for h, b in shares.items() if topo.region[h] == r)
+        if inbound <= 0:
             continue
         cap = sum(topo.wan[a][r] for a in range(topo.n_regions) if a != r)
-        terms[f"wan_cut:{region_names[r]}"] = nbytes / cap
+        terms[f"wan_cut:{region_names[r]}"] = inbound / cap
     return LowerBound(terms)

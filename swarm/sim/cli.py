@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--crash-at", type=float, default=0.5, help="... at this time (s)")
     p.add_argument("--join", type=int, default=0, help="peers that join late ...")
     p.add_argument("--join-at", type=float, default=0.5, help="... at this time (s)")
+    p.add_argument("--trainer-hosts", type=int,
+                   help="hosts of a sharded trainer, each seeding its ranks' share of "
+                        "the chunks from the trainer's region and links (default 1)")
     p.add_argument("--seed", type=int, help="random seed")
     p.add_argument("--sweep", default="8,16,32,64",
                    help="peer counts for the plot (comma-separated; empty: no sweep)")
@@ -48,7 +51,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     changes: dict[str, Any] = {}
     for flag, field in (("peers", "peers"), ("ratio", "delta_ratio"),
                         ("rollout", "rollout_s"), ("steps", "steps"),
-                        ("malicious", "malicious"), ("seed", "seed")):
+                        ("malicious", "malicious"), ("seed", "seed"),
+                        ("trainer_hosts", "trainer_hosts")):
         if getattr(args, flag) is not None:
             changes[field] = getattr(args, flag)
     if args.model_gb is not None:
@@ -117,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
           f"({', '.join(sc.regions)}), model {sc.model_bytes / 1e9:.1f} GB bf16, delta "
           f"1/{sc.delta_ratio:g} = {sc.payload_bytes / 1e6:.1f} MB in "
           f"{len(sc.chunk_sizes())} chunks, rollout {sc.rollout_s:g} s, malicious "
-          f"{sc.malicious:.0%}, seed {sc.seed}")
+          f"{sc.malicious:.0%}, seed {sc.seed}"
+          + (f", {sc.trainer_hosts} trainer hosts" if sc.trainer_hosts > 1 else ""))
     out: dict[str, Any] = {"scenario": _scenario_json(sc), "steps": [], "sweep": []}
     ok = True
     for step in range(sc.steps):

@@ -49,6 +49,7 @@ class SwarmResult:
     """Time until every honest peer present at the end holds the version (None: never)."""
     peer_done: dict[int, float]
     trainer_egress: float
+    """Bytes all trainer hosts sent."""
     region_in: list[float]
     """Bytes that crossed WAN links into each region."""
     bans: list[tuple[str, str, str]]
@@ -62,10 +63,16 @@ class SwarmResult:
     wall_s: float
     flows_recomputed: int
     per_region_done: dict[int, float] = field(default_factory=dict)
+    host_egress: list[float] = field(default_factory=list)
+    """Bytes each trainer host sent."""
+    host_stray: int = 0
+    """Pieces trainer hosts sent of chunks outside their own share (none, by design)."""
 
 
-def peer_name(i: int) -> str:
-    return "trainer" if i == 0 else f"peer-{i:04d}"
+def peer_name(i: int, hosts: int = 1) -> str:
+    if i < hosts:
+        return "trainer" if hosts == 1 else f"trainer-{i}"
+    return f"peer-{i:04d}"
 
 
 def make_payload(sizes: list[int], seed: int, real: bool) -> tuple[ObjectSpec, list[bytes]]:
@@ -103,7 +110,7 @@ class SwarmSim:
         self.spec, self.truth = make_payload(sc.chunk_sizes(), self.seed, sc.chunk_payload)
         self._truth_by_id = dict(zip(self.spec.chunk_ids, self.truth, strict=True))
         self.config = config or ExchangeConfig()
-        # the trainer keeps about 48 suggestions out (its uplink's bandwidth-delay
+        # a trainer host keeps about 48 suggestions out (its uplink's bandwidth-delay
         # product in chunks), spread over its neighbours: one each in a large swarm, more
         # in a small one (with one suggestion per neighbour a lone peer would fetch its
         # chunks stop-and-wait, at two round trips per chunk)
@@ -127,6 +134,9 @@ class SwarmSim:
         self.up_wait: dict[int, deque[int]] = {}
         self.up_conc = max(1, sc.upload_concurrency)
         self.up_conc_trainer = max(1, sc.trainer_upload_concurrency)
+        self.hosts = pop.hosts
+        self._shares = [sc.host_chunks(h) for h in range(self.hosts)]
+        self.host_stray = 0
         self.flow_of: dict[int, tuple[int, int, Piece]] = {}
         self.timer_at: dict[int, float] = {}
         self.heap: list[tuple[float, int, int, int, int, object]] = []
@@ -137,7 +147,7 @@ class SwarmSim:
         self.now = 0.0
         self.events = 0
         self._changed = False
-        self._names = [peer_name(i) for i in range(self.n_total)]
+        self._names = [peer_name(i, self.hosts) for i in range(self.n_total)]
         self._index = {name: i for i, name in enumerate(self._names)}
 
     # ------------------------------------------------------------ plumbing
@@ -157,8 +167,10 @@ class SwarmSim:
         return self.topo.latency[r[a]][r[b]]
 
     def _add_node(self, i: int) -> None:
-        if i == 0:
-            cfg = self.trainer_config
+        if i < self.hosts:
+            # a host seeds its own share and fetches no other: a sharded trainer's hosts
+            # need none of each other's chunks, so they are not linked to each other
+            cfg = dataclasses.replace(self.trainer_config, fetch=False)
         else:
             # a node knows its own link: it sizes its in-flight window by its download and
             # its upload slots by its upload (about 12.5 MB/s per slot)
@@ -170,7 +182,7 @@ class SwarmSim:
                 upload_slots=slots,
                 remote_slots=max(1, min(self.config.remote_slots, slots // 3)))
         region = self.pop.scenario.regions[self.topo.region[i]]
-        core = Exchange(peer_name(i), region=region, config=cfg, seed=self.seed + i,
+        core = Exchange(self._names[i], region=region, config=cfg, seed=self.seed + i,
                         now=self.now, verifier=self._verify)
         self.cores[i] = core
         self.alive.add(i)
@@ -178,8 +190,8 @@ class SwarmSim:
         self._nbr[i] = {}
         self.up_active[i] = 0
         self.up_wait[i] = deque()
-        if i == 0:
-            core.add_object(self.spec, self.now, dict(enumerate(self.truth)))
+        if i < self.hosts:
+            core.add_object(self.spec, self.now, {k: self.truth[k] for k in self._shares[i]})
         else:
             core.add_object(self.spec, self.now)
 
@@ -193,11 +205,11 @@ class SwarmSim:
         self._nbr[a][self._names[b]] = (b, rb)
         self._nbr[b][self._names[a]] = (a, ra)
         names = self.pop.scenario.regions
-        self.cores[a].connect(peer_name(b), self.now, region=names[rb], rtt=rtt,
-                              trainer=b == 0, upload=self.topo.up[b],
+        self.cores[a].connect(self._names[b], self.now, region=names[rb], rtt=rtt,
+                              trainer=b < self.hosts, upload=self.topo.up[b],
                               download=self.topo.down[b])
-        self.cores[b].connect(peer_name(a), self.now, region=names[ra], rtt=rtt,
-                              trainer=a == 0, upload=self.topo.up[a],
+        self.cores[b].connect(self._names[a], self.now, region=names[ra], rtt=rtt,
+                              trainer=a < self.hosts, upload=self.topo.up[a],
                               download=self.topo.down[a])
 
     def _choose_neighbours(self, i: int, candidates: list[int]) -> None:
@@ -276,7 +288,7 @@ class SwarmSim:
                 self.done.setdefault(i, ev.at)
                 self._changed = True
             elif isinstance(ev, PeerBanned):
-                self.bans.append((peer_name(i), ev.peer, ev.reason))
+                self.bans.append((self._names[i], ev.peer, ev.reason))
                 self._drop_link(i, self._index[ev.peer])
             elif isinstance(ev, PeerTimedOut):
                 self.timeouts += 1
@@ -298,7 +310,7 @@ class SwarmSim:
         of splitting the uplink over every request at once."""
         core = self.cores[i]
         wait = self.up_wait[i]
-        limit = self.up_conc_trainer if i == 0 else self.up_conc
+        limit = self.up_conc_trainer if i < self.hosts else self.up_conc
         while self.up_active[i] < limit and wait:
             j = min(wait, key=lambda k: (core.upload_priority(self._names[k]), k))
             wait.remove(j)
@@ -307,6 +319,8 @@ class SwarmSim:
             piece = core.next_upload(self._names[j], self.now)
             if piece is None:
                 continue
+            if i < self.hosts and piece.index not in self._shares[i]:
+                self.host_stray += 1
             if i in self.pop.malicious:
                 bad = bytearray(piece.data)
                 bad[len(bad) // 2] ^= 0x5A
@@ -322,14 +336,16 @@ class SwarmSim:
     def run(self) -> SwarmResult:
         wall0 = time.perf_counter()
         sc = self.pop.scenario
-        initial = list(range(self.pop.initial + 1))
-        for i in initial:
+        hosts = range(self.hosts)
+        peers = self.pop.peers
+        for i in [*hosts, *peers]:
             self._add_node(i)
-        for i in initial[1:]:
-            self._link(0, i)
-        for i in initial[1:]:
-            self._choose_neighbours(i, initial[1:])
-        next_join = self.pop.initial + 1
+        for i in peers:
+            for h in hosts:
+                self._link(h, i)
+        for i in peers:
+            self._choose_neighbours(i, peers)
+        next_join = self.hosts + self.pop.initial
         for ev in sc.churn:
             if ev.kind == "join":
                 for _ in range(ev.count):
@@ -337,7 +353,7 @@ class SwarmSim:
                     next_join += 1
             else:
                 self._push(ev.at, _CHURN, 0, ev.count, ev.kind)
-        for i in initial:
+        for i in [*hosts, *peers]:
             self._pump(i)
         honest = self._honest()
         last_report = -1.0
@@ -376,7 +392,7 @@ class SwarmSim:
         return any(kind == _CHURN for _, _, kind, _, _, _ in self.heap)
 
     def _honest(self) -> set[int]:
-        return {i for i in self.alive if i != 0 and i not in self.pop.malicious}
+        return {i for i in self.alive if i >= self.hosts and i not in self.pop.malicious}
 
     def _flow_done(self, slot: int) -> None:
         i, j, piece = self.flow_of.pop(slot)
@@ -439,14 +455,15 @@ class SwarmSim:
         self._changed = True
         if what == "join":
             self._add_node(a)
-            self._link(0, a)
-            present = sorted(i for i in self.alive if i not in (0, a))
+            for h in range(self.hosts):
+                self._link(h, a)
+            present = sorted(i for i in self.alive if i >= self.hosts and i != a)
             self._choose_neighbours(a, present)
             self._pump(a)
             for j in self.links[a]:
                 self._pump(j)
             return
-        victims = sorted(i for i in self.alive if i != 0 and i not in self.done)
+        victims = sorted(i for i in self.alive if i >= self.hosts and i not in self.done)
         self.rng.shuffle(victims)
         for v in victims[:b]:
             self.alive.discard(v)
@@ -470,6 +487,7 @@ class SwarmSim:
                     if data is None or not self._verify(cid, data):
                         exact = False
                         break
+        up = self.net.node_up_bytes
         r = self.topo.n_regions
         into = [float(sum(self.net.region_bytes[s][d] for s in range(r) if s != d))
                 for d in range(r)]
@@ -480,7 +498,7 @@ class SwarmSim:
         return SwarmResult(
             completion_s=completion,
             peer_done={i: self.done[i] for i in sorted(self.done)},
-            trainer_egress=float(self.net.node_up_bytes[0]),
+            trainer_egress=float(sum(up[:self.hosts])),
             region_in=into,
             bans=self.bans,
             bit_exact=exact,
@@ -492,4 +510,6 @@ class SwarmSim:
             wall_s=time.perf_counter() - wall0,
             flows_recomputed=self.net.recomputes,
             per_region_done=per_region,
+            host_egress=[float(x) for x in up[:self.hosts]],
+            host_stray=self.host_stray,
         )

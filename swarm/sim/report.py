@@ -44,6 +44,11 @@ class StepReport:
     def swarm_row(self) -> MethodRow:
         return self.rows[0]
 
+    @property
+    def host_egress_x(self) -> list[float]:
+        """Each trainer host's egress in payloads."""
+        return [b / self.payload_bytes for b in self.swarm.host_egress]
+
     def goals(self) -> dict[str, bool]:
         row = self.swarm_row
         return {
@@ -62,6 +67,10 @@ class StepReport:
             "lower_bound_s": self.bound.seconds,
             "lower_bound_binds": self.bound.binding,
             "lower_bound_terms": self.bound.terms,
+            "trainer_hosts": len(self.swarm.host_egress),
+            "trainer_egress_bytes": self.swarm.trainer_egress,
+            "host_egress_bytes": self.swarm.host_egress,
+            "host_egress_x": self.host_egress_x,
             "methods": [asdict(r) for r in self.rows],
             "swarm": {
                 "completion_s": self.swarm.completion_s,
@@ -87,9 +96,12 @@ def run_step(sc: Scenario, step: int = 0, *, with_baselines: bool = True,
     pop = sc.build()
     sim = SwarmSim(pop, step=step, config=config, progress=progress)
     res = sim.run()
-    peers = list(range(1, pop.initial + 1))
+    peers = pop.peers
     payload = sc.payload_bytes
-    bound = lower_bound(pop.topo, peers, payload, sc.regions)
+    sizes = sc.chunk_sizes()
+    shares = {h: float(sum(sizes[k] for k in sc.host_chunks(h)))
+              for h in range(pop.hosts)}
+    bound = lower_bound(pop.topo, peers, payload, sc.regions, shares)
     comp = res.completion_s if res.completion_s is not None else float("inf")
 
     def row(name: str, t: float, egress: float, into: tuple[float, ...] | list[float],
@@ -100,12 +112,12 @@ def run_step(sc: Scenario, step: int = 0, *, with_baselines: bool = True,
 
     rows = [row("swarm", comp, res.trainer_egress, res.region_in, payload)]
     if with_baselines:
-        sizes = sc.chunk_sizes()
         kw = {"concurrency": sc.upload_concurrency,
               "trainer_concurrency": sc.trainer_upload_concurrency}
-        for b in (baselines.dense(pop.topo, peers, int(sc.model_bytes)),
-                  baselines.unicast(pop.topo, peers, sizes),
-                  baselines.relay(pop.topo, peers, sizes, **kw)):
+        h = pop.hosts
+        for b in (baselines.dense(pop.topo, peers, int(sc.model_bytes), hosts=h),
+                  baselines.unicast(pop.topo, peers, sizes, hosts=h),
+                  baselines.relay(pop.topo, peers, sizes, hosts=h, **kw)):
             rows.append(row(b.name, b.completion_s, b.trainer_egress, b.region_in,
                             b.payload))
     return StepReport(step, sc.peers, payload, bound, res, rows)
@@ -126,6 +138,13 @@ def format_step(rep: StepReport, regions: tuple[str, ...]) -> str:
         lines.append(f"  {r.name:<22} {r.completion_s:>9.3f} {r.ratio_to_bound:>8.2f} "
                      f"{r.trainer_egress_x:>15.2f} {r.exposed_s:>10.2f}  {into}")
     s = rep.swarm
+    if len(s.host_egress) > 1:
+        lines.append(f"  swarm: {len(s.host_egress)} trainer hosts, egress per host "
+                     + ", ".join(f"{b / 1e6:.1f} MB ({x:.2f}x)"
+                                 for b, x in zip(s.host_egress, rep.host_egress_x,
+                                                 strict=True))
+                     + f"; total {s.trainer_egress / 1e6:.1f} MB "
+                     f"({rep.swarm_row.trainer_egress_x:.2f}x payload)")
     lines.append(f"  swarm: {s.honest_done}/{s.honest_total} honest peers done, bit-exact "
                  f"{s.bit_exact}, bans {len(s.bans)}, time-outs {s.timeouts}, duplicate "
                  f"bytes {s.wasted_bytes / 1e6:.1f} MB, {s.events} events in "

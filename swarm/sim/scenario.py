@@ -2,7 +2,8 @@
 
 A :class:`Scenario` is a frozen description; :meth:`Scenario.build` turns it into a
 deterministic population (regions and link classes drawn from the seed) and a
-:class:`~swarm.sim.network.Topology`. Node 0 is the trainer.
+:class:`~swarm.sim.network.Topology`. Nodes ``0 .. trainer_hosts - 1`` are the trainer's
+hosts (node 0 alone by default), the peers follow.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from swarm.sim.network import Topology
 GBPS = 1e9 / 8
 MAX_PEERS = 4096
 MAX_CHUNKS = 1 << 16
+MAX_TRAINER_HOSTS = 64
 QWEN3_8B_BF16_BYTES = 16.4e9
 
 
@@ -68,6 +70,10 @@ class Scenario:
     trainer_region: int = 0
     trainer_up_gbps: float = 1.0
     trainer_down_gbps: float = 1.0
+    trainer_hosts: int = 1
+    """Hosts of a sharded trainer, each with the trainer's links and exchange config in
+    the trainer region; host ``h`` seeds the ``h``-th contiguous share of the chunks (its
+    ranks' chunks, in the manifest's rank order)."""
     model_bytes: float = QWEN3_8B_BF16_BYTES
     """Dense bf16 state (the full-broadcast baseline sends this)."""
     delta_ratio: float = 180.0
@@ -102,6 +108,11 @@ class Scenario:
         full, rest = divmod(total, self.chunk_bytes)
         return [self.chunk_bytes] * full + ([rest] if rest else [])
 
+    def host_chunks(self, h: int) -> range:
+        """The chunk indices trainer host ``h`` holds at the start."""
+        n, hosts = len(self.chunk_sizes()), self.trainer_hosts
+        return range(h * n // hosts, (h + 1) * n // hosts)
+
     def with_(self, **changes: Any) -> Scenario:
         return dataclasses.replace(self, **changes)
 
@@ -128,6 +139,12 @@ class Scenario:
                 or self.rate_quantum < 0 or self.max_local < 0 or self.max_remote < 0
                 or self.rollout_s < 0):
             raise LocalProtocolError("concurrency >= 1; quantum, neighbours, rollout >= 0")
+        hosts = self.trainer_hosts
+        if (not isinstance(hosts, int) or isinstance(hosts, bool)
+                or not 1 <= hosts <= min(MAX_TRAINER_HOSTS, len(self.chunk_sizes()))):
+            raise LocalProtocolError(
+                f"trainer_hosts must be an integer from 1 to {MAX_TRAINER_HOSTS} and at most "
+                f"the number of chunks ({len(self.chunk_sizes())}), not {hosts!r}")
 
     def build(self) -> Population:
         """Assign regions and link classes (deterministic from the seed)."""
@@ -135,13 +152,15 @@ class Scenario:
         rng = random.Random(self.seed)
         joins = sum(e.count for e in self.churn if e.kind == "join")
         total = self.peers + joins
-        regions = [self.trainer_region] + [i % len(self.regions) for i in range(total)]
+        hosts = self.trainer_hosts
+        regions = [self.trainer_region] * hosts + [i % len(self.regions)
+                                                   for i in range(total)]
         weights = [c.weight for c in self.classes]
         # stratified: the class mix of each region follows the weights
-        klass = [-1]
+        klass = [-1] * hosts
         per_region: dict[int, list[int]] = {}
         for i in range(total):
-            per_region.setdefault(i % len(self.regions), []).append(i + 1)
+            per_region.setdefault(i % len(self.regions), []).append(i + hosts)
         assigned: dict[int, int] = {}
         for members in per_region.values():
             counts = _apportion(weights, len(members))
@@ -149,12 +168,12 @@ class Scenario:
             rng.shuffle(kinds)
             for node, k in zip(members, kinds, strict=True):
                 assigned[node] = k
-        klass += [assigned[i + 1] for i in range(total)]
-        up = [self.trainer_up_gbps * GBPS] + [self.classes[k].up_gbps * GBPS
-                                              for k in klass[1:]]
-        down = [self.trainer_down_gbps * GBPS] + [self.classes[k].down_gbps * GBPS
-                                                  for k in klass[1:]]
-        honest = list(range(1, self.peers + 1))
+        klass += [assigned[i + hosts] for i in range(total)]
+        up = [self.trainer_up_gbps * GBPS] * hosts + [self.classes[k].up_gbps * GBPS
+                                                      for k in klass[hosts:]]
+        down = [self.trainer_down_gbps * GBPS] * hosts + [self.classes[k].down_gbps * GBPS
+                                                          for k in klass[hosts:]]
+        honest = list(range(hosts, self.peers + hosts))
         n_bad = round(self.malicious * self.peers)
         bad = set(rng.sample(honest, n_bad)) if n_bad else set()
         topo = Topology(
@@ -162,7 +181,7 @@ class Scenario:
             wan=tuple(tuple(g * GBPS for g in row) for row in self.wan_gbps),
             latency=tuple(tuple(ms / 1000 for ms in row) for row in self.latency_ms),
         )
-        return Population(self, topo, tuple(klass), frozenset(bad), self.peers)
+        return Population(self, topo, tuple(klass), frozenset(bad), self.peers, hosts)
 
 
 def _apportion(weights: list[float], n: int) -> list[int]:
@@ -177,14 +196,20 @@ def _apportion(weights: list[float], n: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class Population:
-    """The built scenario: node 0 is the trainer, 1..initial are present at the start,
-    later ids join by churn."""
+    """The built scenario: nodes ``0 .. hosts - 1`` are the trainer's hosts, the next
+    ``initial`` peers are present at the start, later ids join by churn."""
 
     scenario: Scenario
     topo: Topology
     klass: tuple[int, ...]
     malicious: frozenset[int]
     initial: int
+    hosts: int = 1
+
+    @property
+    def peers(self) -> list[int]:
+        """The peers present at the start."""
+        return list(range(self.hosts, self.hosts + self.initial))
 
 
 PRESETS: dict[str, Scenario] = {
