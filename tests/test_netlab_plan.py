@@ -20,6 +20,9 @@ from swarm.lab.plan import (
 )
 from swarm.net.reach import PRIVATE, PUBLIC, UNKNOWN, Reach
 
+# With the lab runs in make test-long, so that `pytest -m long -k netlab` runs them all.
+pytestmark = [pytest.mark.long, pytest.mark.timeout(60)]
+
 
 def test_prefixes_are_fresh_and_recognised() -> None:
     seen = {new_prefix() for _ in range(50)}
