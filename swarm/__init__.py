@@ -26,6 +26,7 @@ from swarm.errors import (
 )
 
 if TYPE_CHECKING:
+    from swarm.delta.sharded import ShardedPublisher, ShardedVersion
     from swarm.demo.model import inference_state
     from swarm.engines import RolloutEngine
     from swarm.engines.hf_model import run_card
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         TaskResult,
     )
     from swarm.roles.peer import PeerConfig, RolloutPeer
+    from swarm.roles.seeder import SeederConfig, SeederNode
     from swarm.roles.trainer import Published, TrainerConfig, TrainerNode
 
 __version__ = "0.1.0"
@@ -54,6 +56,11 @@ _LAZY: dict[str, str] = {
     "Published": "swarm.roles.trainer",
     "RolloutPeer": "swarm.roles.peer",
     "PeerConfig": "swarm.roles.peer",
+    # a sharded (FSDP2) trainer: each rank publishes and seeds its own shards
+    "ShardedPublisher": "swarm.delta.sharded",
+    "ShardedVersion": "swarm.delta.sharded",
+    "SeederNode": "swarm.roles.seeder",
+    "SeederConfig": "swarm.roles.seeder",
     # the network and identities
     "Libp2pNode": "swarm.net.node",
     "NodeConfig": "swarm.net.node",
@@ -95,6 +102,10 @@ __all__ = [
     "RolloutPeer",
     "RolloutTask",
     "Sampling",
+    "SeederConfig",
+    "SeederNode",
+    "ShardedPublisher",
+    "ShardedVersion",
     "SignatureError",
     "StoreError",
     "SwarmError",

@@ -507,8 +507,10 @@ class RolloutPeer(NodeBase):
             "written": self._written,
             "bytes_up": self.driver.exchange.bytes_up,
             "bytes_down": self.driver.exchange.bytes_down,
-            # bytes from the trainer over its current connection (the CLI's progress line)
-            "bytes_from_trainer": self.driver.exchange.bytes_from(self.config.trainer),
+            # bytes from the trainer (and the hosts seeding for it) over their current
+            # connections (the CLI's progress line)
+            "bytes_from_trainer": sum(self.driver.exchange.bytes_from(p) for p in
+                                      {self.config.trainer, *self.discovery.seeders}),
         })
 
     async def _local_matches(self, sm: SignedManifest) -> bool:

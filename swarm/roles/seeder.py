@@ -34,7 +34,9 @@ class SeederConfig:
     keep_versions: int = 16
     """Versions whose chunks stay served (the trainer's own ``keep_versions``)."""
     exchange: ExchangeConfig = field(default_factory=lambda: ExchangeConfig(
-        unchoke_all=True, super_seed=True))
+        unchoke_all=True, super_seed=True, fetch=False))
+    """As the trainer's: it serves, and fetches nothing (the other ranks' chunks are
+    theirs to seed)."""
 
 
 class SeederNode(NodeBase):

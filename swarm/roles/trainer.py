@@ -109,7 +109,9 @@ class TrainerConfig:
     keep_versions: int = 16
     """Delta objects kept for catch-up (older peers refetch the state pieces)."""
     exchange: ExchangeConfig = field(default_factory=lambda: ExchangeConfig(
-        unchoke_all=True, super_seed=True))
+        unchoke_all=True, super_seed=True, fetch=False))
+    """The trainer serves and fetches nothing (of a sharded version it holds only its
+    own rank's chunks)."""
     extract_on: str = "host"
     """``"host"``: diff the host copies of the versions (C kernels). ``"device"``: keep the
     previous version where the published tensors live (one more copy of the state on the
