@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +15,9 @@ from swarm.sim.network import FlowNetwork, Topology
 from swarm.sim.report import GOAL_EGRESS, GOAL_RATIO, GOAL_REGION_IN, run_step
 from swarm.sim.scenario import PRESETS, ChurnEvent, Scenario, load_toml
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("quiet_exchange_bans")]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_bans() -> Iterator[None]:
-    # bans are logged at WARNING by design; the malicious runs make hundreds
-    logging.getLogger("swarm.protocol.exchange").setLevel(logging.ERROR)
-    yield
-    logging.getLogger("swarm.protocol.exchange").setLevel(logging.NOTSET)
 
 
 def _topo(up: list[float], down: list[float], region: list[int], wan: float = 1e9,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,14 +15,9 @@ from swarm.sim.engine import SwarmResult, SwarmSim
 from swarm.sim.report import run_step
 from swarm.sim.scenario import PRESETS, Scenario, from_mapping
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("quiet_exchange_bans")]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_bans() -> Iterator[None]:
-    logging.getLogger("swarm.protocol.exchange").setLevel(logging.ERROR)
-    yield
-    logging.getLogger("swarm.protocol.exchange").setLevel(logging.NOTSET)
 
 
 def _run(sc: Scenario) -> tuple[SwarmSim, SwarmResult]:

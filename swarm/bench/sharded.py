@@ -92,10 +92,11 @@ def _print(r: dict[str, Any]) -> None:
           f"roots equal: {'yes' if r['roots_equal'] else 'NO'}")
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in MB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -110,15 +111,7 @@ def _reset_peak() -> float:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _rss_mb()
-
-
-def _peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    return _status_mb("VmRSS")
 
 
 def _rank(rank: int, world: int, port: int, tmp: str, params: str, steps: int, lr: float,
@@ -199,14 +192,14 @@ def _job(rank: int, world: int, port: int, tmp: str, params: str, steps: int, lr
         t0 = time.monotonic()
         v = pub.publish(model.state_dict())
         t_sharded = time.monotonic() - t0
-        peak_sharded = _peak_mb() - base
+        peak_sharded = _status_mb("VmHWM") - base
         # gather, then publish
         base = _reset_peak()
         dist.barrier()
         t0 = time.monotonic()
         full = gathered()
         t_gather = time.monotonic() - t0
-        peak_gather = _peak_mb() - base
+        peak_gather = _status_mb("VmHWM") - base
         t_single = 0.0
         single_root = b""
         payload = 0
@@ -218,8 +211,8 @@ def _job(rank: int, world: int, port: int, tmp: str, params: str, steps: int, lr
             sm, _ = encode_delta_sync(prev, full, key, "bench", v.step,
                                       config=EncoderConfig())
             t_single = time.monotonic() - t1
-            peak_single = _peak_mb() - before
-            peak_gather = max(peak_gather, _peak_mb() - base)
+            peak_single = _status_mb("VmHWM") - before
+            peak_gather = max(peak_gather, _status_mb("VmHWM") - base)
             single_root, payload = sm.manifest.target_root, sm.manifest.total_bytes
             changed = sum(int((a.view(torch.int16) != b.view(torch.int16)).sum())
                           for a, b in zip(prev.values(), full.values(), strict=True))
