@@ -3,10 +3,8 @@
 vLLM loads ``LLM(..., worker_extension_cls="swarm.engines.vllm_worker.SwarmWorkerExtension")``
 into every worker, and ``llm.collective_rpc("swarm_...")`` calls the methods below there.
 
-vLLM fuses a checkpoint's ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj`` parameter
-and ``gate_proj``/``up_proj`` into ``gate_up_proj``; each checkpoint tensor is mapped to a
-row range (a view) of the fused parameter, from the layer's ``output_sizes``. Writes copy
-into those views, so nothing is reallocated and the running engine sees the new values.
+Views, checked writes and digests are :mod:`swarm.engines.vllm_views`, the apply path this
+extension shares with the ``swarm`` weight-transfer backend (:mod:`swarm.integrations.vllm`).
 
 Importing this module makes vLLM's CPU linear layers keep plain weights and call
 ``F.linear`` (see ``use_plain_cpu_linear``). It must be imported before a model loads; vLLM
@@ -23,21 +21,17 @@ from typing import Any, cast
 import torch
 
 from swarm.engines import EngineUpdateError
-from swarm.engines.tensors import (
-    check_sparse,
-    check_update,
-    digest_of,
-    dtype_name,
-    from_bytes,
+from swarm.engines.tensors import check_sparse, dtype_name, from_bytes
+from swarm.engines.vllm_views import (
+    FUSED_MODULES,
+    checkpoint_views,
+    view_digests,
+    write_tensors,
 )
 
-log = logging.getLogger(__name__)
+__all__ = ["FUSED_MODULES", "SwarmWorkerExtension", "checkpoint_views", "use_plain_cpu_linear"]
 
-# Fused vLLM module -> the checkpoint modules stacked in it, in row order.
-FUSED_MODULES: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
+log = logging.getLogger(__name__)
 
 # One update item: (name, dtype name, shape, tensor or its raw bytes).
 UpdateItem = tuple[str, str, tuple[int, ...], "torch.Tensor | bytes"]
@@ -79,42 +73,6 @@ def use_plain_cpu_linear() -> None:
 use_plain_cpu_linear()
 
 
-def checkpoint_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> the view of the running model's storage that holds it.
-
-    :raises EngineUpdateError: an empty (repacked) weight, or tensor parallelism (each
-        worker would hold only a slice; not supported).
-    """
-    views: dict[str, torch.Tensor] = {}
-    for pname, param in model.named_parameters(remove_duplicate=False):
-        module_name, _, leaf = pname.rpartition(".")
-        module = model.get_submodule(module_name)
-        if int(getattr(module, "tp_size", 1)) != 1:
-            raise EngineUpdateError("tensor-parallel vLLM workers are not supported")
-        data = param.data
-        if data.numel() == 0:
-            raise EngineUpdateError(
-                f"{pname} is empty: vLLM repacked it (plain CPU linear weights were not kept)"
-            )
-        prefix, _, short = module_name.rpartition(".")
-        stacked = FUSED_MODULES.get(short)
-        sizes = getattr(module, "output_sizes", None)
-        if stacked is not None and sizes is not None and len(sizes) == len(stacked):
-            offset = 0
-            for shard, size in zip(stacked, sizes, strict=True):
-                name = f"{prefix}.{shard}.{leaf}" if prefix else f"{shard}.{leaf}"
-                views[name] = data.narrow(0, offset, int(size))
-                offset += int(size)
-            if offset != data.shape[0]:
-                raise EngineUpdateError(f"{pname}: shards cover {offset} of {data.shape[0]} rows")
-            continue
-        org_rows = getattr(module, "org_vocab_size", None)
-        if org_rows is not None and data.ndim >= 1 and int(org_rows) < data.shape[0]:
-            data = data.narrow(0, 0, int(org_rows))
-        views[pname] = data
-    return views
-
-
 class SwarmWorkerExtension:
     """Mixed into vLLM's worker class; methods are called through ``collective_rpc``."""
 
@@ -139,22 +97,13 @@ class SwarmWorkerExtension:
 
         :raises EngineUpdateError: unknown name, wrong shape or dtype, or bad bytes.
         """
-        views = self._swarm_views()
-        tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        values: list[tuple[str, torch.Tensor]] = []
         for name, dtype, shape, payload in items:
-            view = views.get(name)
-            if view is None:
-                raise EngineUpdateError(f"engine holds no tensor named {name!r}")
             if isinstance(payload, torch.Tensor):
-                value = payload
+                values.append((name, payload))
             else:
-                value = from_bytes(dtype, shape, bytes(payload))
-            check_update(name, view.shape, view.dtype, value)
-            tensors.append((view, value))
-        with torch.no_grad():
-            for view, value in tensors:
-                view.copy_(value)
-        return len(tensors)
+                values.append((name, from_bytes(dtype, shape, bytes(payload))))
+        return write_tensors(self._swarm_views(), values)
 
     def swarm_apply_sparse(self, items: Sequence[SparseItem]) -> int:
         """Write values at flat positions of each named tensor; every item is checked first.
@@ -181,12 +130,4 @@ class SwarmWorkerExtension:
 
         :raises EngineUpdateError: an unknown name.
         """
-        views = self._swarm_views()
-        wanted = list(views) if names is None else list(names)
-        out: dict[str, bytes] = {}
-        for name in wanted:
-            view = views.get(name)
-            if view is None:
-                raise EngineUpdateError(f"engine holds no tensor named {name!r}")
-            out[name] = digest_of(view)
-        return out
+        return view_digests(self._swarm_views(), names)
