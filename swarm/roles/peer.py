@@ -119,6 +119,10 @@ class PeerConfig:
     nothing that leads on, since the last ask) after which the trainer is asked again;
     a stalled fetch is given up when another route exists."""
 
+    work: bool = True
+    """Claim and run leased rollout work (False: only follow and verify versions, as the
+    ``swarm`` weight-transfer backend inside vLLM does; the engine never generates)."""
+
     def __post_init__(self) -> None:
         if not self.fetch_stall > 0:
             raise ValueError("fetch_stall must be positive")
@@ -208,9 +212,10 @@ class RolloutPeer(NodeBase):
             self.spawn(self._manifest_feed(sub), "manifest feed")
             self.spawn(self._sync_inbox(), "sync inbox")
             self.spawn(self._follow(), "follow versions")
-            self.spawn(self.work.inbox(), "lease inbox")
-            self.spawn(self.work.claims(), "work")
-            self.spawn(self.work.heartbeats(), "heartbeats")
+            if self.config.work:
+                self.spawn(self.work.inbox(), "lease inbox")
+                self.spawn(self.work.claims(), "work")
+                self.spawn(self.work.heartbeats(), "heartbeats")
             self.spawn(self.discovery.run_directory(), "discover")
             if self._store is not None:
                 self.spawn(self._store_chunks(self._store), "chunk store")
