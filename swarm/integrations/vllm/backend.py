@@ -74,6 +74,8 @@ class SwarmWeightTransferEngine(WeightTransferEngine[SwarmInitInfo, SwarmUpdateI
         self._dtype = next(iter(self._views.values())).dtype
         self.member: SwarmMember | None = None
         self.last_apply_s = 0.0
+        self._rollback: dict[str, torch.Tensor] = {}
+        """Buffers for the values an update overwrites (allocated once, on first use)."""
 
     # -- vLLM's API ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: SwarmInitInfo) -> None:
@@ -127,7 +129,7 @@ class SwarmWeightTransferEngine(WeightTransferEngine[SwarmInitInfo, SwarmUpdateI
         plan = member.staged.plan(version, root)
         t0 = time.perf_counter()
         names = list(plan.tensors)
-        previous = {name: self._views[name].clone() for name in names}
+        previous = self._keep_previous(names)
         write_tensors(self._views, plan.tensors.items())
         got = view_digests(self._views, names)
         if got != plan.expected:
@@ -141,6 +143,19 @@ class SwarmWeightTransferEngine(WeightTransferEngine[SwarmInitInfo, SwarmUpdateI
         log.info("applied swarm version %d (%d tensors) in %.3f s", version, len(names),
                  self.last_apply_s)
         return len(names)
+
+    def _keep_previous(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the named tensors as the model holds them, to restore on a failed
+        check (into buffers reused across updates: page faults are paid once)."""
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            view = self._views[name]
+            buf = self._rollback.get(name)
+            if buf is None:
+                buf = self._rollback[name] = torch.empty_like(view)
+            buf.copy_(view)
+            out[name] = buf
+        return out
 
     def tensor_digests(self) -> dict[str, bytes]:
         """Per-tensor digests of what the model holds, read from its parameters."""
