@@ -45,8 +45,8 @@ def check_vllm_version(version: str) -> None:
         raise VLLMVersionError(
             f"swarm's vLLM weight-transfer backend was written for vLLM "
             f"{', '.join(TESTED_VLLM_VERSIONS)}; this is vLLM {version}, whose weight-transfer "
-            "engine API may differ (install a tested vLLM, or uninstall deltaswarm's "
-            "vllm.general_plugins entry point)")
+            "engine API may differ: install a tested vLLM, or leave this plugin out by "
+            "listing the plugins to load in VLLM_PLUGINS)")
 
 
 def register() -> None:
