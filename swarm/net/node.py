@@ -49,7 +49,6 @@ from swarm.net.logs import route_libp2p_logging
 from swarm.net.queues import EventQueue, Inbox
 from swarm.net.reach import (
     DIAL_BACK_TIMEOUT,
-    MAX_PORTS,
     PRIVATE,
     PUBLIC,
     REACH_PROTOCOL,
@@ -308,7 +307,7 @@ class Libp2pNode:
                 continue
             try:
                 async with asyncio.timeout(self.config.connect_timeout
-                                           + DIAL_BACK_TIMEOUT * MAX_PORTS):
+                                           + DIAL_BACK_TIMEOUT * 3):
                     reach = await guest.run(self._trio_ask_reach, peer, tuple(ports))
             except (BridgeClosed, TransportClosed):
                 raise
@@ -333,7 +332,7 @@ class Libp2pNode:
 
     async def _trio_ask_reach(self, peer: str, ports: tuple[int, ...]) -> Reach:
         stream = await self._trio_new_stream(peer, REACH_PROTOCOL, self.config.connect_timeout)
-        return await ask_reach(stream, ports, DIAL_BACK_TIMEOUT * MAX_PORTS + 2.0)
+        return await ask_reach(stream, ports, DIAL_BACK_TIMEOUT * 3)
 
     def _advertised_addresses(self) -> tuple[str, ...]:
         if self.reachability == PRIVATE:

@@ -81,7 +81,7 @@ class ReachServer:
 
     async def serve(self, stream: INetStream) -> None:
         try:
-            with trio.fail_after(DIAL_BACK_TIMEOUT * (MAX_PORTS + 1)):
+            with trio.fail_after(DIAL_BACK_TIMEOUT * 3):
                 ports = await _read_request(stream)
                 remote = stream.get_remote_address()
                 if remote is None:
@@ -89,8 +89,17 @@ class ReachServer:
                 host = str(remote[0])
                 if self._limit is None:
                     self._limit = trio.CapacityLimiter(MAX_CONCURRENT)
+                opened: list[int] = []
                 async with self._limit:
-                    opened = [p for p in ports if await _dial_back(host, p)]
+
+                    async def probe(port: int) -> None:
+                        if await _dial_back(host, port):
+                            opened.append(port)
+
+                    async with trio.open_nursery() as nursery:  # the ports at once
+                        for port in ports:
+                            nursery.start_soon(probe, port)
+                opened.sort()
                 body = json.dumps({"observed": host, "open": opened}).encode()
                 await stream.write(_LEN.pack(len(body)) + body)
                 self.served += 1
