@@ -118,6 +118,8 @@ def test_netlab_natted_peers_verify_every_version(tmp_path: Path) -> None:
         assert p["reachability"] == ("private" if p["natted"] else "public"), p
         assert p["bytes_down"] > 0
     assert figures["trainer_egress"] > 0
+    # Connection reversal: the NATed peers upload over the connections they dialled.
+    assert sum(p["bytes_up"] for p in peers if p["natted"]) > 0
     prefix = re.search(r"lab (swl[0-9a-f]{5}):", done.stdout)
     assert prefix is not None
     _nothing_left(prefix.group(1))
