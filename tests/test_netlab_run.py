@@ -1,6 +1,6 @@
 """``swarm lab run`` in the kernel network lab (root): every peer, NATed or not, verifies
 every version; a lab killed mid-way (SIGKILL, then ``swarm lab cleanup``) or stopped with
-Ctrl-C leaves no namespace, veth, iptables rule or process behind."""
+Ctrl-C or SIGTERM leaves no namespace, veth, iptables rule or process behind."""
 
 from __future__ import annotations
 
@@ -155,9 +155,10 @@ def test_netlab_sigkill_then_cleanup_leaves_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_netlab_sigint_tears_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_netlab_signal_tears_down(tmp_path: Path, sig: signal.Signals) -> None:
     proc, lines, prefix, pids = _start_lab(tmp_path)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     lines.wait(rf"lab {prefix}: removed \d+ namespace", 60)
     assert proc.wait(30) == 130
     lines.close()
