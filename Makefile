@@ -81,4 +81,4 @@ $(VBIN)/.xg-built: $(VBIN)/.installed $(XG_SRC)
 
 test-vllm: $(VBIN)/.xg-built
 	HF_HUB_OFFLINE=1 $(VBIN)/pytest -q -m vllm tests/test_engines_vllm.py tests/test_cli_vllm.py \
-		tests/test_hf_e2e.py
+		tests/test_hf_e2e.py tests/test_vllm_backend.py

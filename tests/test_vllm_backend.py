@@ -1,5 +1,8 @@
 """The ``swarm`` weight-transfer backend inside vLLM follows a real trainer.
 
+In process and as an HTTP server (real processes: vLLM's front end, engine core and spawned
+worker, which registers the backend through the ``vllm.general_plugins`` entry point).
+
 An in-process ``LLM(..., weight_transfer_config={"backend": "swarm"})`` on a tiny Qwen3 joins
 a run whose trainer (a ``TrainerNode`` on a real libp2p node, on loopback) publishes sparse
 versions. The backend's swarm member fetches and verifies each one while vLLM serves; then
@@ -16,8 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -215,3 +224,94 @@ async def test_vllm_with_the_swarm_backend_follows_versions_bit_exactly(
         assert await vllm.call(vllm.greedy) == [c.token_ids for c in
                                                 reference.generate(PROMPTS, GREEDY)]
         await vllm.call(vllm.llm.shutdown_weight_transfer_engine)
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+async def test_a_vllm_server_with_the_swarm_backend_takes_a_version_over_http(
+        tmp_path: Path) -> None:
+    """``python -m vllm.entrypoints.openai.api_server --weight-transfer-config
+    '{"backend": "swarm"}'`` with the dev routes: the four-phase calls over HTTP."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    master = random_qwen3(init_std=0.5, seed=1)
+    model_dir = tmp_path / "qwen3"
+    master.save_pretrained(str(model_dir))
+    reference = TorchEngine(random_qwen3(init_std=0.5, seed=1))
+    trainer_id = Identity.from_seed(b"H" * 32)
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    async with contextlib.AsyncExitStack() as stack:
+        tnode = await stack.enter_async_context(Libp2pNode(trainer_id, NodeConfig(run=RUN)))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnode, TrainerConfig(run=RUN, data_dir=tmp_path / "trainer",
+                                             piece_size=1 << 16)))
+        v0 = await trainer.publish(inference_state(master, "float32"))
+        tnode.serve_card(run_card(trainer_id, RUN, master, v0.manifest, dtype="float32").encode())
+        log_file = stack.enter_context(open(log_path, "w"))  # noqa: SIM115 (closed by the stack)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+             str(model_dir), "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+             "--kv-cache-memory-bytes", str(64 << 20), "--skip-tokenizer-init",
+             "--host", "127.0.0.1", "--port", str(port),
+             "--weight-transfer-config", json.dumps({"backend": "swarm"})],
+            env=dict(os.environ, VLLM_SERVER_DEV_MODE="1"), stdout=log_file,
+            stderr=subprocess.STDOUT)
+
+        def end() -> None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+        stack.callback(end)
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            with contextlib.suppress(OSError), \
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                break
+            await asyncio.sleep(0.5)
+
+        async def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+            return await asyncio.to_thread(_post, port, path, body)
+
+        code, out = await post("/init_weight_transfer_engine", {"init_info": {
+            "bootstrap": [tnode.listen_addresses[0]], "trainer": trainer_id.peer_id,
+            "run": RUN, "data_dir": str(tmp_path / "member")}})
+        assert code == 200, out
+        _step(master, seed=1)
+        state = inference_state(master, "float32")
+        await trainer.publish(state)
+        assert (await post("/start_weight_update", {}))[0] == 200
+        code, out = await post("/update_weights", {"update_info": {"version": 7}})
+        assert code == 500 and "unknown version 7: not verified by this member" in out, out
+        assert (await post("/start_weight_update", {}))[0] == 200  # the failure ended it
+        code, out = await post("/update_weights", {"update_info": {"version": 1, "wait": 60}})
+        assert code == 200, out
+        assert (await post("/finish_weight_update", {"weight_version": "1"}))[0] == 200
+        assert (await post("/reset_prefix_cache", {}))[0] == 200
+        reference.apply(state)
+        for prompt, want in zip(PROMPTS, reference.generate(PROMPTS, GREEDY), strict=True):
+            code, out = await post("/v1/completions", {
+                "model": str(model_dir), "prompt": prompt, "max_tokens": GREEDY.max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            assert code == 200, out
+            assert tuple(out["choices"][0]["token_ids"]) == want.token_ids
