@@ -47,15 +47,12 @@ async def test_reachable_node_advertises_and_unreachable_one_does_not() -> None:
             await b.send(boot.peer_id, b"from it")
             got = await asyncio.wait_for(boot.recv(), 10)
             assert (got.peer_id, got.payload) == (b.peer_id, b"from it")
-        # On every interface: it advertises the address the bootstrap reached it at.
+        # On every interface, with the bootstrap reached over loopback: nothing learnt
+        # about other hosts (the lab's --listen-any run checks the address advertised).
         cfg = NodeConfig(listen="/ip4/0.0.0.0/tcp/0", run="reach", bootstrap=(addr,))
         async with Libp2pNode(ident(5), cfg) as c:
-            assert c.reachability == "public"
-            port = c.listen_addresses[0].split("/")[4]
-            meta = c._directory.metadata()
-            assert meta.addrs == (f"/ip4/127.0.0.1/tcp/{port}/p2p/{c.peer_id}",)
-            assert c.data_address is not None
-            assert meta.data_addr == f"127.0.0.1:{c.data_address[1]}"
+            assert c.reachability == "unknown"
+            assert c._directory.metadata().addrs == c.listen_addresses
         assert boot._reach_server.served == 3
 
 

@@ -112,6 +112,10 @@ def test_reach_verdicts() -> None:
     assert Reach("10.77.11.6", (4003,)).verdict("10.77.128.2", (4003,)) == PUBLIC
     assert Reach("10.77.11.6", ()).verdict("0.0.0.0", (4003,)) == PRIVATE
     assert Reach("10.77.11.2", ()).verdict("10.77.11.2", ()) == UNKNOWN
+    # A bootstrap on the same host, reached over loopback, says nothing about others.
+    assert Reach("127.0.0.1", ()).verdict("10.77.11.2", (4003,)) == UNKNOWN
+    assert Reach("127.0.0.1", (4003,)).verdict("0.0.0.0", (4003,)) == UNKNOWN
+    assert Reach("127.0.0.1", ()).verdict("127.0.0.2", (4003,)) == PRIVATE
 
 
 def test_not_root_is_one_clear_line(monkeypatch: pytest.MonkeyPatch,

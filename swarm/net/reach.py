@@ -14,8 +14,8 @@ address; it then advertises that address (where it is not the one it listens on:
 node on ``0.0.0.0``, a NAT with a port forward of the same ports). Behind a NAT without
 one, or a firewall, a port does not answer (:data:`PRIVATE`). A private node advertises
 no address: it dials out, and the exchange uses those connections both ways. Where it
-cannot tell (no bootstrap, an older one without the protocol) it is :data:`UNKNOWN` and
-advertises as before.
+cannot tell (no bootstrap, an older one without the protocol, a bootstrap reached over
+loopback by a node listening elsewhere) it is :data:`UNKNOWN` and advertises as before.
 
 Wire: request ``u8 n | n x u16 port`` (n <= :data:`MAX_PORTS`); reply ``u32 length |
 JSON {"observed": host, "open": [ports]}``.
@@ -24,6 +24,7 @@ JSON {"observed": host, "open": [ports]}``.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import struct
 from dataclasses import dataclass
@@ -62,14 +63,21 @@ class Reach:
     def verdict(self, listen_host: str, ports: tuple[int, ...]) -> str:
         """:data:`PUBLIC`, :data:`PRIVATE` or :data:`UNKNOWN` for a node listening on
         ``listen_host`` at ``ports``."""
-        if not ports:
-            return UNKNOWN
+        if not ports or (_loopback(self.observed) and not _loopback(listen_host)):
+            return UNKNOWN  # asked over loopback: nothing learnt about other hosts
         return PUBLIC if set(ports) <= set(self.open) else PRIVATE
 
     def seen_elsewhere(self, listen_host: str) -> bool:
         """Reached at another address than ``listen_host`` (``0.0.0.0``, a port
         forward): that is the address to advertise."""
         return self.observed != listen_host
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class ReachServer:
