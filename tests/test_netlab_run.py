@@ -98,10 +98,12 @@ def _gone(pids: list[int], timeout: float = 10.0) -> bool:
 
 
 @pytest.mark.timeout(200)
-def test_netlab_natted_peers_verify_every_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize("listen", [[], ["--listen-any"]], ids=["lab-address", "0.0.0.0"])
+def test_netlab_natted_peers_verify_every_version(tmp_path: Path, listen: list[str]) -> None:
     out = tmp_path / "lab.json"
     done = subprocess.run(_swarm("lab", "run", "--peers", "4", "--nat-fraction", "0.5",
-                                 "--steps", "3", "--json", str(out), "--timeout", "90"),
+                                 "--steps", "3", "--json", str(out), "--timeout", "90",
+                                 *listen),
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "summary (" in done.stdout and "trainer egress" in done.stdout
