@@ -3,12 +3,26 @@ over which, and the errors that leave the model as it was."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 import torch
 
+from swarm.demo.model import inference_state
+from swarm.engines.hf_model import run_card
 from swarm.engines.tensors import digest_of
+from swarm.engines.torch_engine import random_qwen3
+from swarm.identity import Identity
 from swarm.integrations.vllm import VLLMVersionError, check_vllm_version
-from swarm.integrations.vllm.member import StagedVersions, VersionUnavailable
+from swarm.integrations.vllm.member import (
+    MemberConfig,
+    StagedVersions,
+    SwarmMember,
+    VersionUnavailable,
+)
+from swarm.net.node import Libp2pNode, NodeConfig
+from swarm.roles.trainer import TrainerConfig, TrainerNode
 
 NAMES = ("a", "b", "c")
 
@@ -76,3 +90,53 @@ def test_the_vllm_version_is_checked_by_name() -> None:
     check_vllm_version("0.32.0+cpu")
     with pytest.raises(VLLMVersionError, match=r"written for vLLM 0\.32\.0; this is vLLM 0\.33"):
         check_vllm_version("0.33.1")
+
+
+@pytest.mark.timeout(120)
+async def test_a_member_stages_verified_versions_and_resumes_from_its_data_dir(
+        tmp_path: Path) -> None:
+    """The member on its own thread, against a trainer on loopback libp2p (no vLLM): each
+    version is staged with the verified state's digests; a member started again on the
+    same data dir stages the version it saved, whole."""
+    master = random_qwen3(seed=3)
+    base = inference_state(master, "float32")
+    trainer_id = Identity.from_seed(b"M" * 32)
+    async with Libp2pNode(trainer_id, NodeConfig(run="member")) as tnode, \
+            TrainerNode(trainer_id, tnode, TrainerConfig(run="member",
+                                                         data_dir=tmp_path / "t")) as trainer:
+        v0 = await trainer.publish(base)
+        tnode.serve_card(run_card(trainer_id, "member", master, v0.manifest,
+                                  dtype="float32").encode())
+        config = MemberConfig(bootstrap=(tnode.listen_addresses[0],),
+                              trainer=trainer_id.peer_id, run="member",
+                              data_dir=tmp_path / "m")
+
+        def build(card: object) -> dict[str, torch.Tensor]:
+            return {n: t.clone() for n, t in base.items()}
+
+        member = SwarmMember(config, build)
+        await asyncio.to_thread(member.start)
+        try:
+            assert member.staged.model_version == 0 and member.staged.staged() == []
+            with torch.no_grad():
+                for prm in master.parameters():
+                    prm.add_((torch.rand(prm.shape) < 0.05) * 1e-2)
+            state1 = inference_state(master, "float32")
+            await trainer.publish(state1)
+            assert await asyncio.to_thread(member.staged.wait, 1, 30.0)
+            plan = member.staged.plan(1)
+            assert plan.digests == _digests(state1)
+            assert plan.tensors and all(torch.equal(t, state1[n]) for n, t in plan.tensors.items())
+            async with asyncio.timeout(10):  # staged during the install, counted after it
+                while member.status()["verified"] != 1:
+                    await asyncio.sleep(0.02)
+        finally:
+            await asyncio.to_thread(member.stop)
+        again = SwarmMember(config, build)
+        await asyncio.to_thread(again.start)
+        try:
+            assert again.staged.model_version == 0 and again.staged.staged() == [1]
+            plan = again.staged.plan(1)
+            assert set(plan.tensors) == set(state1) and plan.digests == _digests(state1)
+        finally:
+            await asyncio.to_thread(again.stop)
