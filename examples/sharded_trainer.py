@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -125,6 +126,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         asyncio.run(rank_main(rank, world, args))
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    # gloo's worker threads can abort the interpreter's own teardown (SIGABRT): the job
+    # is done and the process group destroyed, so leave without it
+    os._exit(0)
 
 
 def main() -> None:

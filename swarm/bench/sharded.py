@@ -116,12 +116,17 @@ def _reset_peak() -> float:
 
 def _rank(rank: int, world: int, port: int, tmp: str, params: str, steps: int, lr: float,
           progress: bool) -> None:
+    code = 0
     try:
         _job(rank, world, port, tmp, params, steps, lr, progress)
     except Exception as exc:  # one line per failed rank; the parent reports the exit
-        print(f"swarm: error: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
-        sys.exit(1)
+        print(f"swarm: error: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo's worker threads can abort the interpreter's own teardown (SIGABRT): the
+    # process group is destroyed and the report written, so leave without it
+    os._exit(code)
 
 
 def _job(rank: int, world: int, port: int, tmp: str, params: str, steps: int, lr: float,
