@@ -150,11 +150,7 @@ async def test_vllm_with_the_swarm_backend_follows_versions_bit_exactly(
         del vllm
     except ImportError as exc:  # a marked test that runs must not pass by skipping
         pytest.fail(f"vLLM is not installed in this environment ({exc}); run `make test-vllm`")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    master = random_qwen3(init_std=0.5, seed=1)
-    model_dir = tmp_path / "qwen3"
-    master.save_pretrained(str(model_dir))
-    reference = TorchEngine(random_qwen3(init_std=0.5, seed=1))
+    master, model_dir, reference = _model(tmp_path)
     trainer_id = Identity.from_seed(b"V" * 32)
     vllm = VLLMThread()
     async with contextlib.AsyncExitStack() as stack:
@@ -236,6 +232,16 @@ def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         return exc.code, exc.read().decode(errors="replace")
 
 
+def _model(tmp_path: Path) -> tuple[Any, Path, TorchEngine]:
+    """The trainer's master model, the HF dir vLLM loads it from (offline), and a torch
+    engine of the same weights to compare tokens with."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    master = random_qwen3(init_std=0.5, seed=1)
+    model_dir = tmp_path / "qwen3"
+    master.save_pretrained(str(model_dir))
+    return master, model_dir, TorchEngine(random_qwen3(init_std=0.5, seed=1))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -247,11 +253,7 @@ async def test_a_vllm_server_with_the_swarm_backend_takes_a_version_over_http(
         tmp_path: Path) -> None:
     """``python -m vllm.entrypoints.openai.api_server --weight-transfer-config
     '{"backend": "swarm"}'`` with the dev routes: the four-phase calls over HTTP."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    master = random_qwen3(init_std=0.5, seed=1)
-    model_dir = tmp_path / "qwen3"
-    master.save_pretrained(str(model_dir))
-    reference = TorchEngine(random_qwen3(init_std=0.5, seed=1))
+    master, model_dir, reference = _model(tmp_path)
     trainer_id = Identity.from_seed(b"H" * 32)
     port = _free_port()
     log_path = tmp_path / "server.log"

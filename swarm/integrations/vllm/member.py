@@ -31,7 +31,7 @@ import torch
 
 from swarm.engines import Completion, EngineUpdateError, Sampling
 from swarm.engines.tensors import digest_of
-from swarm.errors import LocalProtocolError
+from swarm.errors import LocalProtocolError, NodeFailed
 from swarm.roles.peer import PeerConfig, RolloutPeer
 
 if TYPE_CHECKING:
@@ -364,15 +364,10 @@ class SwarmMember:
                 self._ready.set()
                 log.info("swarm member %s follows run %r (the model holds version %d)",
                          identity.peer_id, cfg.run, self.staged.model_version)
-                stop = asyncio.ensure_future(self._stop.wait())
-                closed = asyncio.ensure_future(peer.closed.wait())
                 try:
-                    await asyncio.wait([stop, closed], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    stop.cancel()
-                    closed.cancel()
-                if peer.failure is not None:
-                    log.error("swarm member stopped: %s", peer.failure)
+                    await peer.wait(self._stop.wait())  # until stopped, or the peer fails
+                except NodeFailed as exc:
+                    log.error("swarm member stopped: %s", exc)
 
 
 def _log_status(event: str, fields: dict[str, object]) -> None:
