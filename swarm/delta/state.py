@@ -90,14 +90,21 @@ def keyframe_manifest(state: Mapping[str, torch.Tensor], identity: Identity, run
     layout = layout_of(state)
     ids = piece_ids_of_state(state, piece_size)
     slices = piece_slices(layout, piece_size)
-    root = state_root(layout, ids, piece_size)
-    manifest = Manifest(run=run, step=step, kind="keyframe", base_root=None, target_root=root,
-                        layout_digest=layout.digest, codec=KEYFRAME_CODEC,
-                        piece_size=piece_size,
-                        chunks=tuple((cid, n) for cid, (_, _, n) in zip(ids, slices,
-                                                                      strict=True)),
-                        keep_versions=keep_versions, time_ms=time_ms)
-    return manifest.sign(identity)
+    pieces = tuple((cid, n) for cid, (_, _, n) in zip(ids, slices, strict=True))
+    return pieces_keyframe(pieces, state_root(layout, ids, piece_size), layout.digest,
+                           identity, run, step, piece_size=piece_size, time_ms=time_ms,
+                           keep_versions=keep_versions)
+
+
+def pieces_keyframe(pieces: tuple[tuple[bytes, int], ...], root: bytes, layout_digest: bytes,
+                    identity: Identity, run: str, step: int, *, piece_size: int,
+                    time_ms: int = 0, keep_versions: int = 8) -> SignedManifest:
+    """A signed keyframe manifest of a state known by its pieces (id, size), in order, and
+    its root: whoever holds the state serves them."""
+    return Manifest(run=run, step=step, kind="keyframe", base_root=None, target_root=root,
+                    layout_digest=layout_digest, codec=KEYFRAME_CODEC, piece_size=piece_size,
+                    chunks=pieces, keep_versions=keep_versions, time_ms=time_ms
+                    ).sign(identity)
 
 
 class KeyframeFiller:

@@ -30,16 +30,16 @@ from pathlib import Path
 
 import torch
 
-from swarm.content.manifest import Manifest, SignedManifest
+from swarm.content.manifest import SignedManifest
 from swarm.content.pieces import DEFAULT_PIECE_SIZE
 from swarm.content.store import DiskChunkStore
 from swarm.delta.pipeline import EncoderConfig, encode_delta
 from swarm.delta.sharded import ShardedVersion
 from swarm.delta.state import (
-    KEYFRAME_CODEC,
     keyframe_manifest,
     layout_of,
     piece_views,
+    pieces_keyframe,
     state_root_of,
 )
 from swarm.errors import DecodeError, IntegrityError, LocalProtocolError, SwarmError
@@ -410,11 +410,10 @@ class TrainerNode(NodeBase):
         """A keyframe of a sharded trainer's version ``step``: its pieces, which peers
         holding that version serve."""
         assert self._root is not None
-        return Manifest(run=self.config.run, step=step, kind="keyframe", base_root=None,
-                        target_root=self._root, layout_digest=layout_digest,
-                        codec=KEYFRAME_CODEC, piece_size=piece_size, chunks=self._pieces,
-                        keep_versions=self.config.keep_versions,
-                        time_ms=int(self.clock.wall() * 1000)).sign(self.identity)
+        return pieces_keyframe(self._pieces, self._root, layout_digest, self.identity,
+                               self.config.run, step, piece_size=piece_size,
+                               time_ms=int(self.clock.wall() * 1000),
+                               keep_versions=self.config.keep_versions)
 
     def _store_chunks(self, sm: SignedManifest, data: Mapping[int, Chunk]) -> None:
         for i, chunk in data.items():
