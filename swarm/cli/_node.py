@@ -41,6 +41,28 @@ def add_node_arguments(p: argparse.ArgumentParser, *, default_port: int = 0) -> 
                    help="emulate an uplink of this many Mbit/s (0: unshaped)")
     p.add_argument("--wan-latency-ms", type=float, default=50.0,
                    help="with --uplink-mbps: one-way latency to other regions")
+    p.add_argument("--no-relay", action="store_true",
+                   help="behind a NAT: reserve on no relay and dial no relayed address")
+    p.add_argument("--no-punch", action="store_true",
+                   help="behind a NAT: try no TCP hole punch on relayed circuits")
+
+
+def add_relay_arguments(p: argparse.ArgumentParser) -> None:
+    """``--relay`` and its limits (a public node relaying for peers behind NATs)."""
+    g = p.add_argument_group("relay (opt-in: for peers behind NATs, on a public node)")
+    g.add_argument("--relay", action="store_true",
+                   help="run a relay service for peers nobody can dial (advertised in this "
+                        "node's metadata; the data they exchange stays sealed end to end)")
+    g.add_argument("--relay-port", type=int, default=0,
+                   help="TCP port of the relay service, on the --listen interface "
+                        "(default 0: any free port)")
+    g.add_argument("--relay-max-circuits", type=int, default=16, metavar="N",
+                   help="relayed connections open at once (default 16)")
+    g.add_argument("--relay-circuit-mib", type=int, default=256, metavar="MIB",
+                   help="bytes one relayed connection may carry before it is cut "
+                        "(default 256 MiB)")
+    g.add_argument("--relay-mbps", type=float, default=32.0,
+                   help="relayed Mbit/s over all circuits together (default 32)")
 
 
 @contextlib.asynccontextmanager
@@ -134,6 +156,13 @@ def check_node_args(args: argparse.Namespace) -> None:
                          "least one largest frame, 16 MiB)")
     if args.key is not None and args.key.exists() and not args.key.is_file():
         raise UsageError(f"--key {args.key} is not a file")
+    if getattr(args, "relay", False):
+        if not 0 <= args.relay_port < 65536:
+            raise UsageError(f"--relay-port {args.relay_port}: must be 0 to 65535")
+        if args.relay_max_circuits < 1 or args.relay_circuit_mib < 1 or \
+                not args.relay_mbps > 0:
+            raise UsageError("--relay-max-circuits, --relay-circuit-mib and --relay-mbps "
+                             "must be positive")
 
 
 def reporter(name: str, args: argparse.Namespace) -> Any:
@@ -151,11 +180,19 @@ def node_config(args: argparse.Namespace, **extra: Any) -> NodeConfig:
     same interface as libp2p (loopback by default)."""
     from swarm.net.dataplane import DataPlaneConfig
     from swarm.net.node import NodeConfig
+    from swarm.net.relay import RelayConfig
+    from swarm.net.traversal import TraversalConfig
 
     parts = str(args.listen).split("/")
     host = parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else "127.0.0.1"
     extra.setdefault("data_plane", DataPlaneConfig(
         host=host, buffer_budget=getattr(args, "buffer_budget_mib", 256) << 20))
+    extra.setdefault("traversal", TraversalConfig(relay=not getattr(args, "no_relay", False),
+                                                  punch=not getattr(args, "no_punch", False)))
+    if getattr(args, "relay", False):
+        extra.setdefault("relay", RelayConfig(
+            host="", port=args.relay_port, max_circuits=args.relay_max_circuits,
+            circuit_bytes=args.relay_circuit_mib << 20, rate=args.relay_mbps * 1e6 / 8))
     return NodeConfig(listen=args.listen, run=args.run, region=args.region, **extra)
 
 

@@ -11,6 +11,9 @@ subscribe to them, and gossipsub never forwards a topic its node is not subscrib
 A peer that forwards gossip failing a validator is scored down, and disconnected and
 blacklisted after repeated offences. Messages sent to it directly are read and dropped.
 
+With ``--relay`` (opt-in, with limits) it also runs a relay service for peers behind
+NATs (:mod:`swarm.net.relay`) and reports what it relayed (``relay`` status events).
+
 SIGTERM and Ctrl-C end it cleanly with exit status 130.
 """
 
@@ -24,6 +27,7 @@ from collections.abc import Callable
 
 from swarm.cli._node import (
     add_node_arguments,
+    add_relay_arguments,
     load_identity,
     node_config,
     run_node,
@@ -33,6 +37,7 @@ from swarm.cli._node import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_node_arguments(p, default_port=4001)
+    add_relay_arguments(p)
     p.add_argument("--peer", action="append", default=[],
                    help="another bootstrap node's multiaddr to stay connected to")
     p.add_argument("--trainer", action="append", default=[], metavar="PEER_ID", dest="trainers",
@@ -102,13 +107,27 @@ async def _main(args: argparse.Namespace) -> int:
                     await node.recv()
                     seen["dropped_direct"] += 1
 
+        relay = "" if node.relay is None else node.relay.hostport
+        if relay:
+            print(f"relaying for peers behind NATs on {relay}")
         report.emit("ready", addr=node.listen_addresses[0], peer_id=identity.peer_id,
                     trainers=list(args.trainers),
-                    relays=["peers", *(key for key, _ in subs)])
+                    relays=["peers", *(key for key, _ in subs)], relay=relay)
+
+        async def relay_report() -> None:
+            last: dict[str, object] = {}
+            while node.relay is not None:
+                now = node.relay.stats.as_dict()
+                if now != last:
+                    report.emit("relay", **now)
+                    last = now
+                await asyncio.sleep(1.0)
+
         async with asyncio.TaskGroup() as tg:
             for key, sub in subs:
                 tg.create_task(drain(key, sub))
             tg.create_task(drop_direct())
+            tg.create_task(relay_report())
             while True:
                 report.emit("status", peers=len(node.connected_peers()),
                             directory=len(node.directory()), **seen)

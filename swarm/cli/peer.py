@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from swarm.cli._node import (
     UsageError,
     add_node_arguments,
+    add_relay_arguments,
     load_identity,
     node_config,
     reporter,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
     from swarm.content.card import RunCard
     from swarm.engines import RolloutEngine
+    from swarm.net.node import Libp2pNode
     from swarm.roles.common import Network
     from swarm.roles.peer import RolloutPeer
     from swarm.roles.status import Reporter
@@ -53,6 +55,7 @@ class TrainerGone(SwarmError):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_node_arguments(p)
+    add_relay_arguments(p)
     p.add_argument("--bootstrap", required=True, action="append",
                    help="full multiaddr of a bootstrap node or the trainer (repeatable)")
     p.add_argument("--trainer", required=True, metavar="PEER_ID",
@@ -132,9 +135,12 @@ async def _main(args: argparse.Namespace) -> int:
         report.say(f"peer {identity.peer_id} listening on {raw.listen_addresses[0]}; "
                    f"following trainer {args.trainer}")
         if raw.reachability == "private":
+            relayed = raw.traversal.addresses()
             report.say(f"not reachable from outside (the bootstrap sees us as {seen_as} and "
-                       "could not dial back): advertising no address; neighbours are "
-                       "reached by dialling out")
+                       "could not dial back): "
+                       + (f"advertising a relayed address ({relayed[0]}); " if relayed else
+                          "advertising no address (no relay); ")
+                       + "public neighbours are reached by dialling out")
         signed = await obtain_card(raw, trainer_id=args.trainer, run=args.run,
                                    data_dir=args.data_dir, timeout=args.card_timeout,
                                    say=report.say, warn_after=max(0.1, args.warn_after),
@@ -170,12 +176,14 @@ async def _main(args: argparse.Namespace) -> int:
             if args.chaos_flood_haves:
                 peer.driver.flood_haves()
             watch = asyncio.create_task(_watch(peer, net, args, report))
+            traversal = asyncio.create_task(_report_traversal(raw, report))
             closed = asyncio.create_task(peer.closed.wait())
             try:
                 await asyncio.wait([watch, closed], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 watch.cancel()
                 closed.cancel()
+                traversal.cancel()
             if watch.done() and not watch.cancelled() and watch.exception() is not None:
                 raise cast(BaseException, watch.exception())
             if peer.failure is not None:
@@ -297,6 +305,17 @@ def _keep_trainer_addrs(args: argparse.Namespace, net: Network, kept: tuple[str,
         log.debug("could not keep the trainer's addresses: %s", exc)
         return kept
     return addrs
+
+
+async def _report_traversal(raw: Libp2pNode, report: Reporter) -> None:
+    """A ``traversal`` status event each time the relay and hole-punch counts change."""
+    last: dict[str, object] = {}
+    while True:
+        now = raw.traversal.stats.as_dict()
+        if now != last and raw.reachability == "private":
+            report.emit("traversal", **now)
+            last = now
+        await asyncio.sleep(1.0)
 
 
 async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,

@@ -205,6 +205,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.lost: asyncio.Future[None] = self.loop.create_future()
         self.registered = False
         self.closing = False
+        #: Kept open but not chosen for sends while another connection to the peer is
+        #: (a relayed circuit once a hole punch replaced it).
+        self.standby = False
         self.reason = ""
         self._write_ok = asyncio.Event()
         self._write_ok.set()
@@ -777,6 +780,43 @@ class DataPlane:
             if conn is not None and not (conn.ready.done() and not conn.ready.exception()):
                 conn.abort()
 
+    async def adopt(self, sock: socket.socket, expected_peer_id: str | None) -> _Connection:
+        """Run the handshake on a connected socket someone else opened (a relayed
+        circuit, a punched hole): as the client when ``expected_peer_id`` is given,
+        else as the server. Returns the connection once admitted.
+
+        :raises PeerIdMismatch: the client side met another key than expected.
+        :raises PeerUnreachable: refused, timed out, or the handshake failed.
+        """
+        if self._closed:
+            sock.close()
+            raise TransportClosed("data plane is closed")
+        loop = asyncio.get_running_loop()
+        conn: _Connection | None = None
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout):
+                if expected_peer_id is not None:
+                    if len(self._conns_all) >= self.config.max_connections:
+                        raise PeerUnreachable("over max_connections")
+                    hs = ClientHandshake(self.identity, expected_peer_id=expected_peer_id,
+                                         ciphers=self.config.ciphers)
+                    _, conn = await loop.create_connection(lambda: _Connection(self, hs),
+                                                           sock=sock)
+                else:
+                    _, conn = await loop.connect_accepted_socket(self._accept, sock)
+                await asyncio.shield(conn.ready)
+                return conn
+        except TimeoutError as exc:
+            raise PeerUnreachable("data-plane handshake on an adopted socket timed out"
+                                  ) from exc
+        except OSError as exc:
+            raise PeerUnreachable(f"adopted socket: {exc}") from exc
+        finally:
+            if conn is None:
+                sock.close()
+            elif not (conn.ready.done() and not conn.ready.exception()):
+                conn.abort()
+
     def peers(self) -> frozenset[str]:
         return frozenset(self._peers)
 
@@ -794,6 +834,8 @@ class DataPlane:
         conns = self._peers.get(peer_id)
         if not conns:
             raise PeerUnreachable(f"no data-plane connection to {peer_id}")
+        if len(conns) > 1:
+            conns = [c for c in conns if not c.standby] or conns
         conn = conns[0] if len(conns) == 1 else min(conns, key=lambda c: c.write_backlog)
         await conn.send(payload)
 

@@ -44,11 +44,13 @@ class PeerDirectory:
 
     def __init__(self, identity: Identity, *, region: str, advertise: str,
                  addresses: Callable[[], tuple[str, ...]],
-                 data_address: Callable[[], tuple[str, int] | None]) -> None:
+                 data_address: Callable[[], tuple[str, int] | None],
+                 relay: Callable[[], str] = lambda: "") -> None:
         self.identity = identity
         self._advertise = advertise
         self._addresses = addresses
         self._data_address = data_address
+        self._relay = relay
         self._region = region
         self._bandwidth = 0
         self._meta_bytes = b""
@@ -59,7 +61,7 @@ class PeerDirectory:
         if not data and (address := self._data_address()) is not None:
             data = f"{address[0]}:{address[1]}"
         return topics.PeerMetadata(self._addresses(), data, self._region, self._bandwidth,
-                                   int(time.time() * 1000))
+                                   int(time.time() * 1000), self._relay())
 
     def update(self, *, bandwidth: int | None = None, region: str | None = None) -> None:
         """Change the measured uplink (bytes per second) or the region label."""

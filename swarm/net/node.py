@@ -46,6 +46,7 @@ from swarm.net.dataplane import DataPlane, DataPlaneConfig
 from swarm.net.directory import META_PROTOCOL, PeerDirectory, read_metadata
 from swarm.net.gossip import GossipConfig, Libp2pGossip, Libp2pSubscription
 from swarm.net.logs import route_libp2p_logging
+from swarm.net.node_events import Notifee
 from swarm.net.queues import EventQueue, Inbox
 from swarm.net.reach import (
     DIAL_BACK_TIMEOUT,
@@ -57,6 +58,8 @@ from swarm.net.reach import (
     ReachServer,
 )
 from swarm.net.reach import ask as ask_reach
+from swarm.net.relay import RelayConfig, RelayServer
+from swarm.net.relay_msgs import parse_circuit
 from swarm.net.transport import (
     Message,
     MessageTooLarge,
@@ -67,11 +70,12 @@ from swarm.net.transport import (
     TransportClosed,
     Validator,
 )
+from swarm.net.traversal import Traversal, TraversalConfig
 from swarm.protocol.scoring import PeerScores, ScoreConfig
 from swarm.wire.frames import FrameReader, encode_header
 
 if TYPE_CHECKING:
-    from libp2p.abc import IHost, INetConn, INetStream, INotifee
+    from libp2p.abc import IHost, INetStream, INotifee
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,11 @@ class NodeConfig:
     #: Peer events queued (the oldest dropped beyond).
     event_depth: int = 1024
     scores: ScoreConfig = field(default_factory=ScoreConfig)
+    #: Run a relay service for private peers (:mod:`swarm.net.relay`; empty host: the
+    #: libp2p listen interface); None runs none.
+    relay: RelayConfig | None = None
+    #: How this node, when private, uses relays and hole punches.
+    traversal: TraversalConfig = field(default_factory=TraversalConfig)
 
 
 _UNSPECIFIED = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -178,9 +187,13 @@ class Libp2pNode:
         self.reach: Reach | None = None
         self._seen_addrs: tuple[str, ...] = ()
         self._seen_data: tuple[str, int] | None = None
+        self._relay: RelayServer | None = None
+        self.traversal = Traversal(identity, self.config.traversal, lambda: self.plane,
+                                   self._spawn, lambda: self._directory.seal())
         self._directory = PeerDirectory(
             identity, region=self.config.region, advertise=self.config.data_plane_advertise,
-            addresses=self._advertised_addresses, data_address=self._advertised_data)
+            addresses=self._advertised_addresses, data_address=self._advertised_data,
+            relay=lambda: "" if self._relay is None else self._relay.hostport)
         self._tasks: set[asyncio.Task[None]] = set()
         self._entered = False
         self._closed = False
@@ -202,6 +215,10 @@ class Libp2pNode:
                                        inbox=self._inbox, on_event=self._on_plane_event,
                                        scores=self._scores)
                 await self._stack.enter_async_context(self.plane)
+            if (relay := self.config.relay) is not None:
+                self._relay = RelayServer(self.identity, dataclasses.replace(
+                    relay, host=relay.host or _listen_host(self.config.listen)))
+                await self._stack.enter_async_context(self._relay)
             handle, ready = self._guest.start_service(self._host_main, "libp2p host")
             self._stack.push_async_callback(handle.stop)
             async with asyncio.timeout(self.config.connect_timeout):
@@ -212,6 +229,10 @@ class Libp2pNode:
                 await self._join_run(self.config.run)
             await self._bootstrap()
             await self._check_reach()
+            if self.reachability == PRIVATE:
+                await self.traversal.start(
+                    [(a.rsplit("/", 1)[-1], _listen_host(a)) for a in self.config.bootstrap],
+                    lambda p: self._check_open().run(self._fetch_meta, p, 5.0))
         except BaseException:
             await self.aclose()
             raise
@@ -255,7 +276,7 @@ class Libp2pNode:
                 host.set_stream_handler(TProtocol(META_PROTOCOL), self._directory.serve)
                 host.set_stream_handler(TProtocol(CARD_PROTOCOL), self._card.serve)
                 host.set_stream_handler(TProtocol(REACH_PROTOCOL), self._reach_server.serve)
-                host.get_network().register_notifee(cast("INotifee", _Notifee(self)))
+                host.get_network().register_notifee(cast("INotifee", Notifee(self)))
                 self._host = host
                 try:
                     async with trio.open_nursery() as nursery:
@@ -336,7 +357,7 @@ class Libp2pNode:
 
     def _advertised_addresses(self) -> tuple[str, ...]:
         if self.reachability == PRIVATE:
-            return ()
+            return self.traversal.addresses()
         return self._seen_addrs or self.listen_addresses
 
     def _advertised_data(self) -> tuple[str, int] | None:
@@ -388,8 +409,17 @@ class Libp2pNode:
             raise TransportClosed("node is closed")
         return self._guest
 
+    @property
+    def relay(self) -> RelayServer | None:
+        """This node's relay service (its ``stats``, its ``hostport``), if it runs one."""
+        return self._relay
+
     async def connect(self, address: str) -> str:
         self._check_open()
+        if (circuit := parse_circuit(address)) is not None:
+            if circuit.peer_id in self._paths:
+                return circuit.peer_id
+            return await self.traversal.connect(address)
         target = parse_tcp_multiaddr(address)
         peer = target.peer_id
         if peer is None:
@@ -773,33 +803,3 @@ def _wake(token: trio.lowlevel.TrioToken, event: trio.Event) -> None:
     the bootstrap ended with ``trio.RunFinishedError`` from ``Inbox.close``)."""
     with contextlib.suppress(trio.RunFinishedError):
         token.run_sync_soon(event.set)
-
-
-class _Notifee:
-    """libp2p network notifications: gate banned peers, track lost connections."""
-
-    def __init__(self, node: Libp2pNode) -> None:
-        self.node = node
-
-    async def opened_stream(self, network: Any, stream: Any) -> None:
-        return None
-
-    async def closed_stream(self, network: Any, stream: Any) -> None:
-        return None
-
-    async def connected(self, network: Any, conn: INetConn) -> None:
-        self.node._sockets.opened(conn)
-        peer = compat.peer_str(conn.muxed_conn.peer_id)
-        if self.node._scores.is_banned(peer):
-            logger.info("refusing banned peer %s", peer)
-            self.node._hang_up(peer, "banned")
-
-    async def disconnected(self, network: Any, conn: INetConn) -> None:
-        await self.node._sockets.closed(conn)
-        self.node._on_libp2p_disconnected(compat.peer_str(conn.muxed_conn.peer_id))
-
-    async def listen(self, network: Any, multiaddr: Any) -> None:
-        return None
-
-    async def listen_close(self, network: Any, multiaddr: Any) -> None:
-        return None

@@ -77,6 +77,7 @@ MAX_LEASE_BYTES = MAX_GOSSIP_BYTES
 MAX_RUN_NAME = 64
 _RUN_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _META_KEYS = frozenset({"v", "addrs", "data", "region", "bw", "time"})
+_META_RELAY_KEYS = _META_KEYS | {"relay"}
 MAX_ADDRS = 8
 MAX_ADDR_LEN = 200
 #: Other signers a node notes having seen (see :class:`OtherSigners`).
@@ -153,7 +154,9 @@ class PeerMetadata:
 
     ``addrs`` are its libp2p multiaddrs; ``data_addr`` its data-plane ``host:port``
     (empty when it has none); ``region`` a free label; ``bandwidth`` its measured
-    uplink in bytes per second (0 when unknown); ``time_ms`` when it was made.
+    uplink in bytes per second (0 when unknown); ``time_ms`` when it was made;
+    ``relay`` the ``host:port`` of the relay service it runs (:mod:`swarm.net.relay`;
+    empty, and then not encoded, when it runs none).
     """
 
     addrs: tuple[str, ...]
@@ -161,25 +164,31 @@ class PeerMetadata:
     region: str = ""
     bandwidth: int = 0
     time_ms: int = 0
+    relay: str = ""
 
     def encode(self) -> bytes:
-        return strict.pack({"v": 1, "addrs": list(self.addrs), "data": self.data_addr,
-                            "region": self.region, "bw": self.bandwidth,
-                            "time": self.time_ms})
+        m: dict[str, object] = {"v": 1, "addrs": list(self.addrs), "data": self.data_addr,
+                                "region": self.region, "bw": self.bandwidth,
+                                "time": self.time_ms}
+        if self.relay:
+            m["relay"] = self.relay
+        return strict.pack(m)
 
     @classmethod
     def decode(cls, body: bytes) -> PeerMetadata:
         """:raises DecodeError: malformed, wrong types, over bounds."""
-        m = strict.as_map(strict.unpack(body, max_bytes=4096, max_str=MAX_ADDR_LEN,
-                                        max_array=MAX_ADDRS, max_map=8), _META_KEYS,
-                          "peer metadata")
+        obj = strict.unpack(body, max_bytes=4096, max_str=MAX_ADDR_LEN, max_array=MAX_ADDRS,
+                            max_map=8)
+        m = strict.as_map(obj, _META_RELAY_KEYS if isinstance(obj, dict) and "relay" in obj
+                          else _META_KEYS, "peer metadata")
         strict.get_int(m, "v", 1, 1)
         addrs = strict.get_list(m, "addrs", MAX_ADDRS)
         if not all(type(a) is str and len(a) <= MAX_ADDR_LEN for a in addrs):
             raise DecodeError("peer metadata: addrs are strings")
         return cls(tuple(addrs), strict.get_str(m, "data", MAX_ADDR_LEN),
                    strict.get_str(m, "region", 64), strict.get_int(m, "bw", 0, 1 << 62),
-                   strict.get_int(m, "time", 0, 1 << 62))
+                   strict.get_int(m, "time", 0, 1 << 62),
+                   strict.get_str(m, "relay", MAX_ADDR_LEN) if "relay" in m else "")
 
 
 class OtherSigners:

@@ -516,6 +516,10 @@ class RolloutPeer(NodeBase):
             # connections (the CLI's progress line)
             "bytes_from_trainer": sum(self.driver.exchange.bytes_from(p) for p in
                                       {self.config.trainer, *self.discovery.seeders}),
+            # bytes from each connected peer (at most 32), over their current connections
+            "bytes_by_peer": dict(sorted(
+                ((p, self.driver.exchange.bytes_from(p)) for p in self.net.connected_peers()),
+                key=lambda kv: -kv[1])[:32]),
         })
 
     async def _local_matches(self, sm: SignedManifest) -> bool:
