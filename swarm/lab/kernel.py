@@ -259,6 +259,10 @@ class Lab:
                "-j", "MASQUERADE", ns=nat.ns)
             sh("iptables", "-A", "FORWARD", "-i", nat.wan_if, "-m", "conntrack",
                "--ctstate", "NEW", *tag, "-j", "DROP", ns=nat.ns)
+            # As most home routers: an unsolicited SYN to the router itself is dropped,
+            # not reset (a reset also ends the conntrack entry a hole punch relies on).
+            sh("iptables", "-A", "INPUT", "-i", nat.wan_if, "-p", "tcp", "-m", "conntrack",
+               "--ctstate", "NEW", *tag, "-j", "DROP", ns=nat.ns)
         self.say(f"lab {p.prefix}: {len(p.namespaces)} namespaces, {len(p.links)} links, "
                  f"{len(p.nats)} NAT(s), up in {time.monotonic() - t0:.1f} s")
 

@@ -27,6 +27,7 @@ from swarm.lab.plan import Host, PlanError, Scenario, parse_rates, plan
 
 RUN = "lab"
 PORTS = {"bootstrap": 4001, "trainer": 4002, "peer": 4003}
+RELAY_PORT = 4011
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen-any", action="store_true",
                    help="peers listen on 0.0.0.0, as the volunteer command in the README "
                         "(default: on their lab address)")
+    p.add_argument("--no-relay", action="store_true",
+                   help="the bootstrap runs no relay (NATed peers then reach only public "
+                        "ones)")
+    p.add_argument("--no-punch", action="store_true",
+                   help="NATed peers try no TCP hole punch (what they trade with each "
+                        "other stays relayed)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="work in DIR and keep it (data dirs, every process's stderr)")
@@ -75,6 +82,9 @@ class PeerFigures:
     bytes_down: int = 0
     from_trainer: int = 0
     leases: int = 0
+    #: Bytes received from each other peer (by name), at the last version.
+    from_peers: dict[str, int] = field(default_factory=dict)
+    traversal: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "region": self.region, "natted": self.natted,
@@ -83,7 +93,8 @@ class PeerFigures:
                 "verified": self.verified, "failed": self.failed,
                 "sync_s": {str(v): s for v, s in sorted(self.sync_s.items())},
                 "bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
-                "bytes_from_trainer": self.from_trainer, "leases": self.leases}
+                "bytes_from_trainer": self.from_trainer, "leases": self.leases,
+                "bytes_from_peers": self.from_peers, "traversal": self.traversal}
 
 
 @dataclass(slots=True)
@@ -93,6 +104,18 @@ class Figures:
     trainer_egress: int = 0
     payload: int = 0
     seconds: float = 0.0
+    relay: dict[str, Any] = field(default_factory=dict)
+
+    def natted_to_natted(self) -> int:
+        """Bytes NATed peers received from other NATed peers."""
+        natted = {p.name for p in self.peers if p.natted}
+        return sum(n for p in self.peers if p.natted
+                   for q, n in p.from_peers.items() if q in natted)
+
+    def punches(self) -> tuple[int, int]:
+        """(hole punches tried, succeeded), counted at both ends of each circuit."""
+        return (sum(int(p.traversal.get("punch_attempts", 0)) for p in self.peers),
+                sum(int(p.traversal.get("punch_ok", 0)) for p in self.peers))
 
     def per_version(self) -> dict[int, tuple[float, float]]:
         """version -> (median, max) sync s over the peers."""
@@ -111,6 +134,8 @@ class Figures:
         return {"steps": self.steps, "seconds": round(self.seconds, 1),
                 "trainer_egress": self.trainer_egress, "payload": self.payload,
                 "all_verified": self.all_verified(),
+                "relay": self.relay, "natted_to_natted_bytes": self.natted_to_natted(),
+                "punch_attempts": self.punches()[0], "punch_ok": self.punches()[1],
                 "per_version": {str(v): {"median_s": m, "max_s": x}
                                 for v, (m, x) in self.per_version().items()},
                 "peers": [p.as_dict() for p in self.peers]}
@@ -166,7 +191,8 @@ def _run_swarm(lab: Lab, args: argparse.Namespace, work: Path) -> Figures:
     out = Figures(args.steps, peers)
     try:
         trainer_id = Identity.load_or_create(work / "trainer" / "node.key").peer_id
-        boot = start(p.host("bootstrap"), ["bootstrap", "--trainer", trainer_id])
+        relay = [] if args.no_relay else ["--relay", "--relay-port", str(RELAY_PORT)]
+        boot = start(p.host("bootstrap"), ["bootstrap", "--trainer", trainer_id, *relay])
         boot_addr = str(_wait(boot, "ready", args.timeout)["addr"])
         trainer = start(p.host("trainer"), [
             "trainer", "--bootstrap", boot_addr, "--steps", str(args.steps),
@@ -180,7 +206,8 @@ def _run_swarm(lab: Lab, args: argparse.Namespace, work: Path) -> Figures:
         for f, host in zip(peers, p.peers, strict=True):
             procs[f.name] = start(host, [
                 "peer", "--bootstrap", boot_addr, "--trainer", trainer_id, "--name", f.name,
-                "--region", host.region, "--card-timeout", f"{args.timeout:g}"])
+                "--region", host.region, "--card-timeout", f"{args.timeout:g}",
+                *(["--no-punch"] if args.no_punch else [])])
         for f in peers:
             ready = _wait(procs[f.name], "ready", args.timeout)
             f.peer_id = str(ready["peer_id"])
@@ -200,6 +227,7 @@ def _run_swarm(lab: Lab, args: argparse.Namespace, work: Path) -> Figures:
         # The trainer says when its last version reached every peer, with its egress.
         done = _wait(trainer, "delivered", args.timeout)
         out.trainer_egress = int(done.get("egress", 0))
+        time.sleep(1.5)  # the relay's and the peers' once-a-second traversal counts
         out.payload = sum(int(e.get("bytes", 0)) for e in trainer.of("step"))
         for f in peers:
             child = procs[f.name]
@@ -210,6 +238,14 @@ def _run_swarm(lab: Lab, args: argparse.Namespace, work: Path) -> Figures:
             f.bytes_up = int(last.get("bytes_up", 0))
             f.bytes_down = int(last.get("bytes_down", 0))
             f.from_trainer = int(last.get("bytes_from_trainer", 0))
+            names = {g.peer_id: g.name for g in peers}
+            f.from_peers = {names[q]: int(n) for q, n in
+                            dict(last.get("bytes_by_peer", {})).items() if q in names}
+            if trav := child.of("traversal"):
+                f.traversal = {k: v for k, v in trav[-1].items()
+                               if k not in ("event", "t", "node")}
+        if relayed := boot.of("relay"):
+            out.relay = {k: v for k, v in relayed[-1].items() if k not in ("event", "t", "node")}
     finally:
         stop_children(list(reversed(children)))
     return out
@@ -261,7 +297,13 @@ def print_summary(f: Figures) -> None:
     say(f"trainer egress {_mb(f.trainer_egress)}{ratio} (versions 0-{f.steps})")
     natted = [p for p in f.peers if p.natted]
     if natted:
-        say(f"NATed peers uploaded {_mb(sum(p.bytes_up for p in natted))} in all, over "
-            "connections they dialled")
+        say(f"NATed peers uploaded {_mb(sum(p.bytes_up for p in natted))} in all; "
+            f"{_mb(f.natted_to_natted())} went from NATed peers to NATed peers")
+        tried, ok = f.punches()
+        rate = f" = {100 * ok / tried:.0f}%" if tried else ""
+        say(f"hole punches: {ok} of {tried} circuit ends{rate}")
+    if f.relay:
+        say(f"relay (on the bootstrap): {_mb(int(f.relay.get('relayed_bytes', 0)))} relayed "
+            f"over {f.relay.get('circuits', 0)} circuits")
     say(f"result: {'PASS' if f.all_verified() else 'FAIL'} (every peer, NATed or not, "
         f"verified every version: {f.all_verified()})")
