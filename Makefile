@@ -7,7 +7,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-e2e test-fast test-vllm lint clean
+.PHONY: demo test test-e2e test-fast test-vllm test-trl lint clean
 
 # The codec's C extension (swarm.delta._xg), built in place by the editable install and
 # rebuilt by the rules below when one of its sources changes.
@@ -37,7 +37,18 @@ test-long: $(BIN)/.xg-built
 	$(BIN)/pytest -q -m long
 
 test-fast: $(BIN)/.xg-built
-	$(BIN)/pytest -q -m "not slow and not long and not e2e and not vllm"
+	$(BIN)/pytest -q -m "not slow and not long and not e2e and not vllm and not trl"
+
+# TRL's GRPOTrainer through swarm: the `trl` extra (trl, accelerate, datasets: ~150 MB) goes
+# into .venv beside the dev tools, read from pyproject.toml so the pin lives in one place.
+$(BIN)/.trl-installed: $(BIN)/.installed
+	$(BIN)/pip install -q "$(TORCH_SPEC)" $$($(BIN)/python -c 'import shlex, tomllib; \
+		print(shlex.join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["trl"]))')
+	$(BIN)/python -c "import trl, swarm.integrations.trl as s; s.check_trl_version(trl.__version__)"
+	touch $@
+
+test-trl: $(BIN)/.xg-built $(BIN)/.trl-installed
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -m trl tests/test_trl_grpo.py
 
 lint: $(BIN)/.xg-built
 	$(BIN)/ruff check swarm tests
