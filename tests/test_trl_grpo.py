@@ -1,7 +1,8 @@
 """TRL's GRPOTrainer generating through swarm, as a user runs it: ``examples/trl_grpo.py``
 trains a tiny Qwen3 for 3 steps with 2 ``swarm peer`` processes generating. TRL logs its
 loss and reward each step; every peer verifies every version, and its engine's per-tensor
-digests equal the trainer's for that version. The run needs the ``trl`` extra (``make test-trl``); the version
+digests equal the trainer's for that version. The run needs the ``trl`` extra
+(``make test-trl``); the version
 check does not."""
 
 from __future__ import annotations
