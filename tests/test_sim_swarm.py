@@ -65,7 +65,7 @@ def test_lower_bound_names_the_binding_term() -> None:
 
 def test_goals_hold_at_a_smaller_size() -> None:
     """The issue's goals on the default preset's network and payload, with 16 peers."""
-    sc = PRESETS["paper"].with_(peers=16)
+    sc = PRESETS["wan64"].with_(peers=16)
     rep = run_step(sc, with_baselines=True)
     swarm = rep.swarm_row
     assert rep.swarm.bit_exact and rep.swarm.honest_done == 16
@@ -86,7 +86,7 @@ def test_goals_hold_at_a_smaller_size() -> None:
 
 
 def test_malicious_peers_are_banned_and_everyone_ends_bit_exact() -> None:
-    sc = PRESETS["paper"].with_(peers=20, malicious=0.1, seed=3)
+    sc = PRESETS["wan64"].with_(peers=20, malicious=0.1, seed=3)
     pop = sc.build()
     assert len(pop.malicious) == 2
     rep = run_step(sc, with_baselines=False)
@@ -98,7 +98,7 @@ def test_malicious_peers_are_banned_and_everyone_ends_bit_exact() -> None:
 
 
 def test_churn_crashes_leaves_and_late_joiners() -> None:
-    sc = PRESETS["paper"].with_(peers=16, churn=(
+    sc = PRESETS["wan64"].with_(peers=16, churn=(
         ChurnEvent(0.4, "join", 2), ChurnEvent(0.8, "crash", 3),
         ChurnEvent(1.0, "leave", 1)))
     rep = run_step(sc, with_baselines=False)
@@ -118,7 +118,7 @@ def test_same_seed_same_result() -> None:
 
 
 @pytest.mark.parametrize("sc", [
-    PRESETS["paper"].with_(peers=12, malicious=0.1, seed=5, churn=(
+    PRESETS["wan64"].with_(peers=12, malicious=0.1, seed=5, churn=(
         ChurnEvent(0.3, "join", 2), ChurnEvent(0.6, "crash", 2), ChurnEvent(0.9, "leave", 1))),
     PRESETS["small"].with_(peers=10, seed=2),
 ], ids=["paper-malice-churn", "small"])
@@ -140,14 +140,14 @@ def test_scenario_toml(tmp_path: Path) -> None:
         'wan_gbps = [[0, 0.5], [0.5, 0]]\n'
         '[[classes]]\nname = "x"\nup_gbps = 1.0\ndown_gbps = 1.0\nweight = 1.0\n'
         '[[churn]]\nat = 0.5\nkind = "crash"\ncount = 1\n')
-    sc = load_toml(path, PRESETS["paper"])
+    sc = load_toml(path, PRESETS["wan64"])
     assert sc.peers == 5 and sc.regions == ("a", "b") and sc.churn[0].kind == "crash"
     path.write_text("peerz = 5\n")
     with pytest.raises(LocalProtocolError):
-        load_toml(path, PRESETS["paper"])
+        load_toml(path, PRESETS["wan64"])
     path.write_text('regions = ["a", "b"]\n')  # matrices no longer fit
     with pytest.raises(LocalProtocolError):
-        load_toml(path, PRESETS["paper"])
+        load_toml(path, PRESETS["wan64"])
 
 
 def test_simulate_command_writes_json_and_plot(tmp_path: Path,
@@ -171,7 +171,7 @@ def test_simulate_command_writes_json_and_plot(tmp_path: Path,
 @pytest.mark.timeout(300)
 def test_default_preset_meets_the_goals() -> None:
     """The issue's goals on the default preset: 64 heterogeneous peers in 4 regions."""
-    sc = PRESETS["paper"]
+    sc = PRESETS["wan64"]
     assert sc.peers == 64 and len(sc.regions) == 4
     rep = run_step(sc, with_baselines=False)
     assert all(rep.goals().values()), rep.to_json()
@@ -180,7 +180,7 @@ def test_default_preset_meets_the_goals() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_default_preset_with_ten_percent_malicious_peers() -> None:
-    sc = PRESETS["paper"].with_(malicious=0.1)
+    sc = PRESETS["wan64"].with_(malicious=0.1)
     pop = sc.build()
     rep = run_step(sc, with_baselines=False)
     assert rep.swarm.bit_exact and rep.swarm.honest_done == 64 - len(pop.malicious)

@@ -108,7 +108,7 @@ def test_baselines_send_each_share_from_its_host() -> None:
 @pytest.mark.parametrize("bad", [0, -1, 65, 2.5, True, "2"])
 def test_bad_host_counts_are_refused(bad: object) -> None:
     with pytest.raises(LocalProtocolError, match="trainer_hosts"):
-        from_mapping({"trainer_hosts": bad}, PRESETS["paper"])
+        from_mapping({"trainer_hosts": bad}, PRESETS["wan64"])
 
 
 def test_more_hosts_than_chunks_are_refused() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.sim.network import FlowNetwork, Topology
 
@@ -29,6 +29,8 @@ class BaselineResult:
     region_in: tuple[float, ...]
     payload: float
     """Bytes each peer had to receive under this plan."""
+    peer_done: dict[int, float] = field(default_factory=dict)
+    """When each peer held every chunk."""
 
 
 def run_plan(name: str, topo: Topology, peers: list[int], sizes: list[int],
@@ -110,7 +112,7 @@ def run_plan(name: str, topo: Topology, peers: list[int], sizes: list[int],
                  for d in range(r))
     completion = max(done_at.values()) if len(done_at) == len(peers) else float("inf")
     return BaselineResult(name, completion, float(sum(net.node_up_bytes[:hosts])), into,
-                          float(sum(sizes)))
+                          float(sum(sizes)), dict(sorted(done_at.items())))
 
 
 def _split(nbytes: int, hosts: int) -> list[int]:
@@ -120,12 +122,14 @@ def _split(nbytes: int, hosts: int) -> list[int]:
 
 
 def dense(topo: Topology, peers: list[int], dense_bytes: int, *, hosts: int = 1,
-          **kw: int) -> BaselineResult:
-    """The full bf16 state from the trainer to every peer, as one stream each (per
-    host: its shard)."""
-    return run_plan("dense bf16 broadcast", topo, peers, _split(dense_bytes, hosts),
+          streams: int = 0, name: str = "dense bf16 broadcast", **kw: int
+          ) -> BaselineResult:
+    """The full bf16 state from the trainer to every peer (per host: its shard), over
+    ``streams`` transfers at once per host (0: one per peer at once; 1: one peer after
+    another)."""
+    return run_plan(name, topo, peers, _split(dense_bytes, hosts),
                     {h: list(peers) for h in range(hosts)},
-                    trainer_concurrency=max(1, len(peers)), hosts=hosts, **kw)
+                    trainer_concurrency=streams or max(1, len(peers)), hosts=hosts, **kw)
 
 
 def unicast(topo: Topology, peers: list[int], sizes: list[int], *, hosts: int = 1,

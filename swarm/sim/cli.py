@@ -1,4 +1,5 @@
-"""``swarm simulate``: distribute steps over a simulated swarm and compare with baselines."""
+"""``swarm simulate``: one step's distribution over a simulated swarm against baselines, or
+with ``--steps N`` the RL loop end to end (:mod:`swarm.sim.endtoend`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,17 @@ from swarm.errors import LocalProtocolError
 from swarm.sim.scenario import PRESETS, ChurnEvent, Scenario, load_toml
 
 
+def presets() -> dict[str, Scenario]:
+    from swarm.sim import paper
+
+    return {**PRESETS, "paper": paper.PRESET}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), default="paper",
-                   help="starting scenario (default: paper: 4 regions, 0.5-1 Gbps WAN, "
-                        "64 heterogeneous peers, Qwen3-8B)")
+    p.add_argument("--preset", choices=sorted(presets()), default="wan64",
+                   help="starting scenario (default: wan64: 4 regions, 0.5-1 Gbps WAN, "
+                        "64 heterogeneous peers, Qwen3-8B; paper: the AuroraRL/SparrowRL "
+                        "setups, 4B-14B on 2-6 H100 trainers and 4-12 A100 actors)")
     p.add_argument("--config", type=Path, help="TOML file overriding the preset's fields")
     p.add_argument("--peers", type=int, help="number of rollout peers")
     p.add_argument("--model-gb", type=float, help="dense bf16 state size in GB")
@@ -25,7 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dense / delta size ratio of the codec (default 180)")
     p.add_argument("--chunk-mib", type=float, help="chunk size in MiB")
     p.add_argument("--rollout", type=float, help="rollout seconds per step")
-    p.add_argument("--steps", type=int, help="steps to simulate")
+    p.add_argument("--steps", type=int,
+                   help="simulate the RL loop end to end over this many trainer steps "
+                        "(default: one step's distribution table)")
+    p.add_argument("--trainer-step", type=float, help="trainer seconds per step (loop)")
+    p.add_argument("--staleness", type=int, help="most steps off-policy (loop)")
+    p.add_argument("--churn-per-min", type=float,
+                   help="percent of the actors leaving per minute (loop)")
+    p.add_argument("--away", type=float, help="mean seconds a leaving actor stays away")
     p.add_argument("--malicious", type=float, help="fraction of peers serving corrupt chunks")
     p.add_argument("--crash", type=int, default=0, help="peers that crash silently ...")
     p.add_argument("--crash-at", type=float, default=0.5, help="... at this time (s)")
@@ -35,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hosts of a sharded trainer, each seeding its ranks' share of "
                         "the chunks from the trainer's region and links (default 1)")
     p.add_argument("--seed", type=int, help="random seed")
-    p.add_argument("--sweep", default="8,16,32,64",
-                   help="peer counts for the plot (comma-separated; empty: no sweep)")
+    p.add_argument("--sweep",
+                   help="peer counts for the plot (comma-separated; empty: no sweep; "
+                        "default 8,16,32,64 for the distribution table, none with --steps)")
     p.add_argument("--out", type=Path, default=Path("sim-out"),
                    help="directory for result.json and plot.png")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
@@ -44,15 +60,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
-def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    sc = PRESETS[args.preset]
+def scenario_from_args(args: argparse.Namespace, base: Scenario | None = None) -> Scenario:
+    sc = base if base is not None else presets()[args.preset]
     if args.config is not None:
         sc = load_toml(args.config, sc)
     changes: dict[str, Any] = {}
     for flag, field in (("peers", "peers"), ("ratio", "delta_ratio"),
                         ("rollout", "rollout_s"), ("steps", "steps"),
                         ("malicious", "malicious"), ("seed", "seed"),
-                        ("trainer_hosts", "trainer_hosts")):
+                        ("trainer_hosts", "trainer_hosts"),
+                        ("trainer_step", "trainer_step_s"), ("staleness", "staleness"),
+                        ("churn_per_min", "churn_per_min"), ("away", "away_s")):
         if getattr(args, flag) is not None:
             changes[field] = getattr(args, flag)
     if args.model_gb is not None:
@@ -110,13 +128,54 @@ def _why_relay_wins(rep: Any, peers: int, regions: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from swarm.sim.report import format_step, run_step
-
-    sc = scenario_from_args(args)
     show = not args.quiet and sys.stderr.isatty()
     if not getattr(args, "verbose", 0):
         # every simulated ban would log a warning; the summary counts them instead
         logging.getLogger("swarm.protocol.exchange").setLevel(logging.ERROR)
+    if args.steps is not None:
+        return run_end_to_end(args, show)
+    return run_distribution(args, show)
+
+
+def run_end_to_end(args: argparse.Namespace, show: bool) -> int:
+    """``--steps N``: every method's RL loop, per scenario (three for ``paper``)."""
+    from swarm.sim import paper
+    from swarm.sim.endtoend import format_end_to_end, plot_end_to_end
+    from swarm.sim.endtoend import run_end_to_end as run_e2e
+
+    bases = list(paper.SCENARIOS) if args.preset == "paper" else [None]
+    scenarios = [scenario_from_args(args, b) for b in bases]
+    runs = []
+    for sc in scenarios:
+        print(f"scenario {sc.name}: {sc.peers} actors in {len(sc.regions)} regions, model "
+              f"{sc.model_bytes / 1e9:.1f} GB bf16, delta 1/{sc.delta_ratio:g} = "
+              f"{sc.payload_bytes / 1e6:.1f} MB, seed {sc.seed}", flush=True)
+        prog = _Progress(f"{sc.name} distribution", show)
+        e = run_e2e(sc, progress=prog)
+        prog.close()
+        print(format_end_to_end(e), flush=True)
+        runs.append(e)
+    out: dict[str, Any] = {"end_to_end": [e.to_json() for e in runs],
+                           "scenarios": [_scenario_json(sc) for sc in scenarios]}
+    if args.preset == "paper":
+        lines = paper.compare(runs)
+        print("\n".join(lines))
+        out["paper"] = {"figures": [list(f) for f in paper.FIGURES], "comparison": lines}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out / 'result.json'}")
+    if not args.no_plot:
+        path = args.out / "plot.png"
+        plot_end_to_end(runs, path)
+        print(f"wrote {path}")
+    return 0
+
+
+def run_distribution(args: argparse.Namespace, show: bool) -> int:
+    """One step's distribution: the swarm against the baselines, and the sweep."""
+    from swarm.sim.report import format_step, run_step
+
+    sc = scenario_from_args(args)
     print(f"scenario {sc.name}: {sc.peers} peers in {len(sc.regions)} regions "
           f"({', '.join(sc.regions)}), model {sc.model_bytes / 1e9:.1f} GB bf16, delta "
           f"1/{sc.delta_ratio:g} = {sc.payload_bytes / 1e6:.1f} MB in "
@@ -125,16 +184,16 @@ def run(args: argparse.Namespace) -> int:
           + (f", {sc.trainer_hosts} trainer hosts" if sc.trainer_hosts > 1 else ""))
     out: dict[str, Any] = {"scenario": _scenario_json(sc), "steps": [], "sweep": []}
     ok = True
-    for step in range(sc.steps):
-        prog = _Progress(f"step {step}", show)
-        rep = run_step(sc, step, with_baselines=not args.no_baselines, progress=prog)
-        prog.close()
-        print(format_step(rep, sc.regions), flush=True)
-        for line in _why_relay_wins(rep, sc.peers, len(sc.regions)):
-            print(line, flush=True)
-        out["steps"].append(rep.to_json())
-        ok = ok and rep.swarm.bit_exact
-    sweep = [int(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else []
+    prog = _Progress("step 0", show)
+    rep = run_step(sc, 0, with_baselines=not args.no_baselines, progress=prog)
+    prog.close()
+    print(format_step(rep, sc.regions), flush=True)
+    for line in _why_relay_wins(rep, sc.peers, len(sc.regions)):
+        print(line, flush=True)
+    out["steps"].append(rep.to_json())
+    ok = ok and rep.swarm.bit_exact
+    spec = "8,16,32,64" if args.sweep is None else args.sweep
+    sweep = [int(x) for x in spec.split(",") if x.strip()]
     for n in sweep:
         prog = _Progress(f"sweep {n} peers", show)
         rep = run_step(sc.with_(peers=n, churn=()), 0,
@@ -162,8 +221,11 @@ def _scenario_json(sc: Scenario) -> dict[str, Any]:
     return d
 
 
-def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
-    """Distribution time and trainer egress vs number of peers, swarm vs baselines."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend.
+
+    :raises LocalProtocolError: matplotlib is not installed.
+    """
     try:
         import matplotlib
 
@@ -172,6 +234,12 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
     except ImportError as exc:
         raise LocalProtocolError("the plot needs matplotlib (pip install matplotlib)"
                                  ) from exc
+    return plt
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
+    """Distribution time and trainer egress vs number of peers, swarm vs baselines."""
+    plt = pyplot()
     peers = [r["peers"] for r in rows]
     names = [m["name"] for m in rows[0]["methods"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -17,6 +17,7 @@ from typing import Any
 
 from swarm.errors import LocalProtocolError
 from swarm.sim.network import Topology
+from swarm.sim.prices import DEFAULT_PRICES
 
 GBPS = 1e9 / 8
 MAX_PEERS = 4096
@@ -27,12 +28,15 @@ QWEN3_8B_BF16_BYTES = 16.4e9
 
 @dataclass(frozen=True, slots=True)
 class LinkClass:
-    """A kind of rollout host: its access link in Gbit/s and its share of the population."""
+    """A kind of rollout host: its access link in Gbit/s, its share of the population and
+    how fast it generates rollouts (tokens/s, for the end-to-end loop of
+    :mod:`swarm.sim.loop`)."""
 
     name: str
     up_gbps: float
     down_gbps: float
     weight: float
+    tokens_per_s: float = 2500.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +102,34 @@ class Scenario:
     seed: int = 0
     chunk_payload: bool = True
     """Carry real random chunk bytes (hashed with BLAKE3 on arrival)."""
+    trainer_step_s: float = 20.0
+    """End-to-end loop: seconds the trainer takes for one optimizer step on a batch."""
+    staleness: int = 1
+    """End-to-end loop: most steps a rollout's version may lag the step that consumes it
+    (0: on-policy)."""
+    trainer_gpus: int = 1
+    """End-to-end loop: GPUs the trainer rents (priced per GPU-hour)."""
+    gpus_per_peer: int = 1
+    """End-to-end loop: GPUs each rollout peer rents."""
+    usd_trainer_gpu_h: float = DEFAULT_PRICES.trainer_gpu_h
+    """On-demand cross-cloud price of one trainer GPU-hour (see :mod:`swarm.sim.prices`)."""
+    usd_peer_gpu_h: float = DEFAULT_PRICES.peer_gpu_h
+    """On-demand cross-cloud price of one rollout GPU-hour."""
+    usd_rdma_trainer_gpu_h: float = DEFAULT_PRICES.rdma_trainer_gpu_h
+    """Reserved RDMA-cluster price of one trainer GPU-hour (the ideal run's)."""
+    usd_rdma_peer_gpu_h: float = DEFAULT_PRICES.rdma_peer_gpu_h
+    """Reserved RDMA-cluster price of one rollout GPU-hour."""
+    usd_wan_gb: float = DEFAULT_PRICES.wan_gb
+    """Price of one GB crossing regions (internet egress)."""
+    churn_per_min: float = 0.0
+    """End-to-end loop: percent of the online peers that leave per minute."""
+    away_s: float = 120.0
+    """End-to-end loop: mean seconds a leaving peer stays away."""
+    fresh_joiners: float = 0.5
+    """End-to-end loop: fraction of the peers coming back that are new (holding only
+    version 0, the base checkpoint) rather than returning with the version they left with."""
+    keep_versions: int = 8
+    """Deltas the trainer keeps for catch-up (the manifests' ``keep_versions``)."""
 
     @property
     def payload_bytes(self) -> int:
@@ -139,12 +171,33 @@ class Scenario:
                 or self.rate_quantum < 0 or self.max_local < 0 or self.max_remote < 0
                 or self.rollout_s < 0):
             raise LocalProtocolError("concurrency >= 1; quantum, neighbours, rollout >= 0")
+        self._check_loop()
         hosts = self.trainer_hosts
         if (not isinstance(hosts, int) or isinstance(hosts, bool)
                 or not 1 <= hosts <= min(MAX_TRAINER_HOSTS, len(self.chunk_sizes()))):
             raise LocalProtocolError(
                 f"trainer_hosts must be an integer from 1 to {MAX_TRAINER_HOSTS} and at most "
                 f"the number of chunks ({len(self.chunk_sizes())}), not {hosts!r}")
+
+    def _check_loop(self) -> None:
+        if any(not c.tokens_per_s > 0 for c in self.classes):
+            raise LocalProtocolError("every link class needs tokens_per_s > 0")
+        ints = (self.staleness, self.trainer_gpus, self.gpus_per_peer, self.keep_versions)
+        if any(not isinstance(x, int) or isinstance(x, bool) for x in ints):
+            raise LocalProtocolError("staleness, trainer_gpus, gpus_per_peer and "
+                                     "keep_versions must be integers")
+        if not (0 <= self.staleness <= 64 and 0 <= self.trainer_gpus <= 4096
+                and 0 <= self.gpus_per_peer <= 64 and 1 <= self.keep_versions <= 1 << 20):
+            raise LocalProtocolError("staleness in 0..64, GPUs in 0..4096 and 0..64 per "
+                                     "peer, keep_versions >= 1")
+        prices = (self.usd_trainer_gpu_h, self.usd_peer_gpu_h, self.usd_rdma_trainer_gpu_h,
+                  self.usd_rdma_peer_gpu_h, self.usd_wan_gb)
+        if not self.trainer_step_s >= 0 or any(not p >= 0 for p in prices):
+            raise LocalProtocolError("trainer_step_s and prices must be >= 0")
+        if not (0 <= self.churn_per_min <= 100 and self.away_s > 0
+                and 0 <= self.fresh_joiners <= 1):
+            raise LocalProtocolError("churn_per_min in [0, 100], away_s > 0, "
+                                     "fresh_joiners in [0, 1]")
 
     def build(self) -> Population:
         """Assign regions and link classes (deterministic from the seed)."""
@@ -213,7 +266,7 @@ class Population:
 
 
 PRESETS: dict[str, Scenario] = {
-    "paper": Scenario(name="paper"),
+    "wan64": Scenario(name="wan64"),
     "paper-2r": Scenario(
         name="paper-2r", regions=("us", "eu"), latency_ms=((2, 40), (40, 2)),
         wan_gbps=((0, 0.5), (0.5, 0)),
