@@ -14,3 +14,14 @@ def quiet_exchange_bans() -> Iterator[None]:
     logging.getLogger("swarm.protocol.exchange").setLevel(logging.ERROR)
     yield
     logging.getLogger("swarm.protocol.exchange").setLevel(logging.NOTSET)
+
+
+@pytest.fixture
+def needs_lab() -> None:
+    """Skip, saying why, where the kernel network lab cannot run (not root, no iptables)."""
+    from swarm.lab import kernel
+
+    try:
+        kernel.check_available()
+    except kernel.LabUnavailable as exc:
+        pytest.skip(str(exc))

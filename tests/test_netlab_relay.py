@@ -13,17 +13,7 @@ from typing import Any
 
 import pytest
 
-from swarm.lab import kernel
-
-pytestmark = pytest.mark.long
-
-
-@pytest.fixture(autouse=True)
-def _needs_lab() -> None:
-    try:
-        kernel.check_available()
-    except kernel.LabUnavailable as exc:
-        pytest.skip(str(exc))
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("needs_lab")]
 
 
 def _lab(tmp_path: Path, name: str, *argv: str) -> dict[str, Any]:

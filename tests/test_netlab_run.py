@@ -19,15 +19,7 @@ import pytest
 
 from swarm.lab import kernel
 
-pytestmark = pytest.mark.long
-
-
-@pytest.fixture(autouse=True)
-def _needs_lab() -> None:
-    try:
-        kernel.check_available()
-    except kernel.LabUnavailable as exc:
-        pytest.skip(str(exc))
+pytestmark = [pytest.mark.long, pytest.mark.usefixtures("needs_lab")]
 
 
 def _swarm(*argv: str) -> list[str]:
