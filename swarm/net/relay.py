@@ -414,18 +414,26 @@ async def open_to_relay(host: str, port: int, timeout: float) -> tuple[socket.so
     return sock, hello.nonce
 
 
-async def reserve(identity: Identity, host: str, port: int, timeout: float
-                  ) -> tuple[socket.socket, str]:
-    """Hold a reservation: the control connection, and the address the relay sees."""
+async def _preamble(host: str, port: int, first: Callable[[bytes], Msg], timeout: float
+                    ) -> tuple[socket.socket, Msg]:
+    """A connection to the relay that sent ``first(nonce)`` and got its ``ok``."""
     sock, nonce = await open_to_relay(host, port, timeout)
     try:
         async with asyncio.timeout(timeout):
-            await sock_send_msg(sock, Msg("reserve", key=identity.public_key,
-                                          sig=identity.sign(DOMAIN + nonce)))
+            await sock_send_msg(sock, first(nonce))
             ok = await sock_read_msg(sock, "ok")
     except BaseException:
         sock.close()
         raise
+    return sock, ok
+
+
+async def reserve(identity: Identity, host: str, port: int, timeout: float
+                  ) -> tuple[socket.socket, str]:
+    """Hold a reservation: the control connection, and the address the relay sees."""
+    sock, ok = await _preamble(
+        host, port, lambda nonce: Msg("reserve", key=identity.public_key,
+                                      sig=identity.sign(DOMAIN + nonce)), timeout)
     return sock, ok.seen
 
 
@@ -434,12 +442,5 @@ async def circuit(host: str, port: int, first: Msg, timeout: float
     """Open one end of a circuit (``first`` a ``connect`` or an ``accept``): the
     connection, ready to carry the data-plane handshake, and the other end's address
     as the relay sees it."""
-    sock, _ = await open_to_relay(host, port, timeout)
-    try:
-        async with asyncio.timeout(timeout):
-            await sock_send_msg(sock, first)
-            ok = await sock_read_msg(sock, "ok")
-    except BaseException:
-        sock.close()
-        raise
+    sock, ok = await _preamble(host, port, lambda _nonce: first, timeout)
     return sock, ok.seen
