@@ -42,8 +42,8 @@ test-fast: $(BIN)/.xg-built
 # TRL's GRPOTrainer through swarm: the `trl` extra (trl, accelerate, datasets: ~150 MB) goes
 # into .venv beside the dev tools, read from pyproject.toml so the pin lives in one place.
 $(BIN)/.trl-installed: $(BIN)/.installed
-	$(BIN)/pip install -q "$(TORCH_SPEC)" $$($(BIN)/python -c 'import shlex, tomllib; \
-		print(shlex.join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["trl"]))')
+	$(BIN)/pip install -q "$(TORCH_SPEC)" $$($(BIN)/python -c 'import tomllib; \
+		print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["trl"]))')
 	$(BIN)/python -c "import trl, swarm.integrations.trl as s; s.check_trl_version(trl.__version__)"
 	touch $@
 
