@@ -309,6 +309,16 @@ class Exchange(DownloadSide, UploadSide):
         except RemoteProtocolError as exc:
             self._ban(peer, str(exc), now)
 
+    def receive_have(self, peer: str, msg: Have, now: float) -> bool:
+        """:meth:`receive` for a :class:`Have` (most messages), then :meth:`pending`."""
+        p = self._peers.get(peer)
+        if p is not None:
+            try:
+                self._on_have(p, msg, now)
+            except RemoteProtocolError as exc:
+                self._ban(peer, str(exc), now)
+        return bool(self._out or self._ready or self._events or self._timer_earlier)
+
     def pending(self) -> bool:
         """Whether the last calls may have left work for the driver: messages, upload-ready
         neighbours or events to take, or a timer earlier than :meth:`next_timer` said when
@@ -346,6 +356,8 @@ class Exchange(DownloadSide, UploadSide):
         self._super_seed(now)
 
     def take_outgoing(self) -> list[tuple[str, Message]]:
+        """Control messages to send, as (neighbour, message); with
+        ``config.broadcast_haves`` a have named ``""`` goes to every neighbour."""
         out, self._out = self._out, []
         return out
 
@@ -379,6 +391,7 @@ class Exchange(DownloadSide, UploadSide):
             return
         for p in self._peers.values():
             p.haves.pop(obj, None)
+            p.common.pop(obj, None)
             p.suggested_to.pop(obj, None)
             for key in [k for k in p.out if k[0] == obj]:
                 del p.out[key]
@@ -498,6 +511,8 @@ class Exchange(DownloadSide, UploadSide):
         if p.peer not in holders:  # _add_holder, inlined
             holders.add(p.peer)
             o.availability[idx] += 1
+            if idx in o.have:
+                p.common[obj] = p.common.get(obj, 0) + 1
             if not p.trainer:
                 if p.region == self.region:
                     o.local[idx] += 1
@@ -542,6 +557,10 @@ class Exchange(DownloadSide, UploadSide):
             self._pick(now)
             return
         o.have.add(msg.index)
+        peers = self._peers
+        for h in o.holders[msg.index]:
+            c = peers[h].common
+            c[msg.obj] = c.get(msg.obj, 0) + 1
         data = o.data[msg.index] = bytes(msg.data)  # received: bytes already, not copied
         o.last_progress = o.last_chunk = now
         o.suggested.discard(msg.index)
@@ -552,7 +571,10 @@ class Exchange(DownloadSide, UploadSide):
                         and q.out.pop(key, None) is not None:
                     self._out.append((other, Cancel(msg.obj, msg.index)))
         have = Have(msg.obj, msg.index)
-        self._out.extend((q, have) for q in self._peers)
+        if self.config.broadcast_haves:
+            self._out.append(("", have))
+        else:
+            self._out.extend((q, have) for q in self._peers)
         self._events.append(ChunkStored(msg.obj, msg.index, data, p.peer))
         if not o.missing:
             o.complete_at = now
@@ -615,6 +637,8 @@ class Exchange(DownloadSide, UploadSide):
             return
         holders.add(p.peer)
         o.availability[idx] += 1
+        if idx in o.have:
+            p.common[o.spec.obj] = p.common.get(o.spec.obj, 0) + 1
         if p.region == self.region and not p.trainer:  # _is_local
             o.local[idx] += 1
         if not p.trainer:

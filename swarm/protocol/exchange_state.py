@@ -51,6 +51,9 @@ class PeerState:
     trainer: bool
     rate: float
     haves: dict[bytes, set[int]] = field(default_factory=dict)
+    common: dict[bytes, int] = field(default_factory=dict)
+    """Per known object: chunks it announced that we hold too (``_interested`` compares
+    this with what we hold)."""
     choked_us: bool = True
     we_choke: bool = True
     optimistic: bool = False
@@ -124,6 +127,8 @@ class ExchangeState:
         if p.peer not in o.holders[idx]:
             return
         o.holders[idx].discard(p.peer)
+        if idx in o.have:
+            p.common[o.spec.obj] -= 1
         o.availability[idx] -= 1
         if self._is_local(p):
             o.local[idx] -= 1

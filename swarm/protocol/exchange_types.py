@@ -114,6 +114,10 @@ class ExchangeConfig:
     """Endgame: at most this many sources asked for one chunk at once."""
     endgame_late: float = 2.0
     """Endgame: a request is late after this many times its expected delivery time."""
+    broadcast_haves: bool = False
+    """Queue the have of each stored chunk once, addressed to every neighbour (peer name
+    ``""`` in :meth:`~swarm.protocol.exchange.Exchange.take_outgoing`), instead of once
+    per neighbour: for a driver that fans it out itself (the simulator)."""
 
 
 # ---------------------------------------------------------------- events

@@ -64,11 +64,10 @@ class UploadSide(ExchangeState):
         """Does ``p`` lack something we hold? (Never a trainer: it fetches nothing.)"""
         if p.trainer:
             return False
+        common = p.common
         for obj, o in self._objects.items():
-            theirs = p.haves.get(obj)
-            if theirs is None:
-                continue  # not announced yet: they do not know the object
-            if len(o.have) > len(theirs) or not o.have <= theirs:
+            # not announced yet: they do not know the object
+            if obj in p.haves and len(o.have) > common.get(obj, 0):
                 return True
         return False
 

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from swarm.protocol.exchange import (
     PeerDropped,
     PeerTimedOut,
 )
-from swarm.protocol.exchange_msgs import Message, Piece
+from swarm.protocol.exchange_msgs import Have, Message, Piece
 from swarm.sim.scenario import Population
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class SwarmSim:
         self.links: dict[int, set[int]] = {}
         self._nbr: dict[int, dict[str, tuple[int, int]]] = {}
         """Per node: each neighbour's name -> (index, region), to route its output."""
+        self._fan: dict[int, dict[int, dict[int, None]]] = {}
+        """Per node: region -> its neighbours there (in link order), for the haves it
+        sends to every neighbour at once (``broadcast_haves``)."""
         self.busy: dict[tuple[int, int], int] = {}
         self.up_active: dict[int, int] = {}
         self.up_wait: dict[int, deque[int]] = {}
@@ -170,7 +174,7 @@ class SwarmSim:
         if i < self.hosts:
             # a host seeds its own share and fetches no other: a sharded trainer's hosts
             # need none of each other's chunks, so they are not linked to each other
-            cfg = dataclasses.replace(self.trainer_config, fetch=False)
+            cfg = dataclasses.replace(self.trainer_config, fetch=False, broadcast_haves=True)
         else:
             # a node knows its own link: it sizes its in-flight window by its download and
             # its upload slots by its upload (about 12.5 MB/s per slot)
@@ -180,7 +184,8 @@ class SwarmSim:
             cfg = dataclasses.replace(
                 self.config, download_rate=self.topo.down[i], upload_rate=self.topo.up[i],
                 upload_slots=slots,
-                remote_slots=max(1, min(self.config.remote_slots, slots // 3)))
+                remote_slots=max(1, min(self.config.remote_slots, slots // 3)),
+                broadcast_haves=True)
         region = self.pop.scenario.regions[self.topo.region[i]]
         core = Exchange(self._names[i], region=region, config=cfg, seed=self.seed + i,
                         now=self.now, verifier=self._verify)
@@ -188,6 +193,7 @@ class SwarmSim:
         self.alive.add(i)
         self.links[i] = set()
         self._nbr[i] = {}
+        self._fan[i] = {}
         self.up_active[i] = 0
         self.up_wait[i] = deque()
         if i < self.hosts:
@@ -204,6 +210,8 @@ class SwarmSim:
         ra, rb = self.topo.region[a], self.topo.region[b]
         self._nbr[a][self._names[b]] = (b, rb)
         self._nbr[b][self._names[a]] = (a, ra)
+        self._fan[a].setdefault(rb, {})[b] = None
+        self._fan[b].setdefault(ra, {})[a] = None
         names = self.pop.scenario.regions
         self.cores[a].connect(self._names[b], self.now, region=names[rb], rtt=rtt,
                               trainer=b < self.hosts, upload=self.topo.up[b],
@@ -231,6 +239,8 @@ class SwarmSim:
         self.links.get(b, set()).discard(a)
         self._nbr[a].pop(self._names[b], None)
         self._nbr.get(b, {}).pop(self._names[a], None)
+        self._fan[a].get(self.topo.region[b], {}).pop(b, None)
+        self._fan.get(b, {}).get(self.topo.region[a], {}).pop(a, None)
         for src, dst in ((a, b), (b, a)):
             slot = self.busy.pop((src, dst), None)
             if slot is not None:
@@ -248,15 +258,24 @@ class SwarmSim:
             # one heap entry per destination region: the messages a node sends in one go
             # reach a region after the same latency, so they are delivered together, in
             # order (messages to nodes it is no longer linked with are dropped)
+            # (a have to every neighbour is one entry per region, with its receivers)
             nbr = self._nbr[i]
-            batches: dict[int, list[tuple[int, Message]]] = {}
+            batches: dict[int, list[tuple[int, Message, tuple[int, ...] | None]]] = {}
             for name, msg in out:
+                if not name:
+                    for reg, fan in self._fan[i].items():
+                        if fan:
+                            batch = batches.get(reg)
+                            if batch is None:
+                                batches[reg] = batch = []
+                            batch.append((-1, msg, tuple(fan)))
+                    continue
                 e = nbr.get(name)
                 if e is not None:
                     batch = batches.get(e[1])
                     if batch is None:
                         batches[e[1]] = batch = []
-                    batch.append((e[0], msg))
+                    batch.append((e[0], msg, None))
             lat = self.topo.latency[self.topo.region[i]]
             for reg, batch in batches.items():
                 self._push(self.now + lat[reg], _MSG, i, 0, batch)
@@ -420,7 +439,20 @@ class SwarmSim:
             prev = -1
             core: Exchange | None = None
             dirty = False
-            for j, msg in payload:
+            for j, msg, fan in payload:
+                if fan is not None:
+                    # one have to each of these: handle it and pump at once
+                    if dirty:
+                        self._pump(prev)
+                        dirty = False
+                    prev = -1
+                    core = None
+                    have = cast(Have, msg)
+                    for k in fan:
+                        if k in alive and a in links[k] and (
+                                cores[k].receive_have(name, have, now) or always):
+                            self._pump(k)
+                    continue
                 if j != prev:
                     # several messages to one node in a row: handle them all, then pump
                     # (pumping may drop links, so each run checks its link again)
