@@ -5,8 +5,10 @@ and :class:`~swarm.roles.trainer.TrainerNode`, its uplink shaped like ``swarm tr
 --uplink-mbps``) and trains the workload of :mod:`swarm.bench.workload` (a Qwen3-style
 decoder, AdamW at lr 1e-6: about 1-1.5% of the bf16 elements change per step). It
 publishes version 0, serves the run card, and starts ``--peers`` real ``swarm peer``
-processes in two regions with shaped uplinks. After every peer verified version 0, each
-step is trained, published as a delta, and waited for until every peer verified it.
+processes in regions (``--peer-regions``) with shaped uplinks. After every peer verified
+version 0, each step is trained, published as a delta, and waited for until every peer
+verified it. With ``--placement`` (written by ``swarm lab bench``) the processes run on a
+kernel network lab instead, each on its own address, the kernel shaping the links.
 
 Per version it reports the publish time (extract, encode, sign, persist: ``Published``),
 when the first and the last peer verified it (from the start of ``publish``), each peer's
@@ -46,10 +48,13 @@ import json
 import resource
 import statistics
 import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.bench.placement import Placement, Spot, load
 from swarm.bench.procs import MB, BenchError, SwarmChild, say, stop_children, workdir
 
 if TYPE_CHECKING:
@@ -57,6 +62,8 @@ if TYPE_CHECKING:
     from swarm.roles.trainer import Published
 
 RUN = "bench-e2e"
+#: Ports on a placement's addresses (each process has an address of its own there).
+BOOTSTRAP_PORT, TRAINER_PORT, PEER_PORT, RELAY_PORT = 4001, 4002, 4003, 4011
 TABLE_HEADER = ("ver kind     payload MB  dense MB  publish s  first s    all s  copy1 s  "
                 "bound s  dense s  egress MB  egress/P  all/ideal")
 PEER_HEADER = ("ver peer  region  kind      fetch s  verify s  apply+save s  written MB  "
@@ -83,13 +90,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workload model size (default 250M, the issue's size; 1M for tests)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps published (default 5)")
     p.add_argument("--peers", type=int, default=4,
-                   help="swarm peer processes, half in each of two regions (default 4)")
+                   help="swarm peer processes (default 4)")
     p.add_argument("--trainer-mbps", type=float, default=100.0,
                    help="trainer uplink in Mbit/s (default 100)")
     p.add_argument("--uplink-mbps", type=float, default=200.0,
                    help="every peer's uplink in Mbit/s (default 200)")
     p.add_argument("--wan-latency-ms", type=float, default=50.0,
-                   help="one-way latency between the two regions (default 50)")
+                   help="one-way latency between regions (default 50)")
+    p.add_argument("--trainer-region", default="r0", metavar="NAME",
+                   help="the trainer's region (default r0)")
+    p.add_argument("--peer-regions", default="r0,r1", metavar="NAME,...",
+                   help="the peers' regions, dealt round-robin (default r0,r1: half the "
+                        "peers share the trainer's)")
     p.add_argument("--chunk-kib", type=int, default=256,
                    help="target size of a delta chunk in KiB (default 256)")
     p.add_argument("--timeout", type=float, default=600.0,
@@ -97,6 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="workload seed (default 0: the peers' seeded build is version 0; "
                         "another seed makes them fetch version 0 as a keyframe)")
+    p.add_argument("--placement", type=Path, metavar="FILE",
+                   help="run on the network FILE places the processes on, links shaped by "
+                        "the kernel (written by `swarm lab bench`); default: loopback, "
+                        "every process shaping its own uplink")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the figures to FILE")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="work in DIR and keep it (data dirs, peers' stderr); default: a "
@@ -106,8 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class PeerProc(SwarmChild):
     """One ``swarm peer --status-json`` child in a region."""
 
-    def __init__(self, name: str, region: str, argv: list[str], workdir: Path) -> None:
-        super().__init__(name, argv, workdir)
+    def __init__(self, name: str, region: str, argv: list[str], workdir: Path,
+                 launcher: Sequence[str] = ()) -> None:
+        super().__init__(name, argv, workdir, launcher=launcher)
         self.region = region
 
     def check(self, version: int) -> None:
@@ -317,105 +334,156 @@ def print_tables(rows: list[VersionRow], ratios: dict[str, float], rss: dict[str
     say("peak RSS: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in rss.items()))
 
 
-async def _bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def _bootstrap(spot: Spot, trainer: str, work: Path) -> SwarmChild:
+    """The placement's ``swarm bootstrap``, relaying for the peers behind NATs."""
+    return SwarmChild("bootstrap", [
+        "bootstrap", "--trainer", trainer, "--relay", "--relay-port", str(RELAY_PORT),
+        "--listen", f"/ip4/{spot.addr}/tcp/{BOOTSTRAP_PORT}", "--run", RUN,
+        "--data-dir", str(work / "bootstrap"), "--status-json"], work, launcher=spot.launcher)
+
+
+async def _bench(args: argparse.Namespace, work: Path,
+                 placed: Placement | None = None) -> dict[str, Any]:
     from swarm.bench.workload import PRESETS, Workload, WorkloadConfig
     from swarm.demo.model import inference_state
     from swarm.engines.hf_model import run_card
     from swarm.identity import Identity
     from swarm.net.dataplane import DataPlaneConfig
     from swarm.net.node import Libp2pNode, NodeConfig
-    from swarm.roles.shaper import ShapeConfig, ShapedNetwork
+    from swarm.roles.shaper import ShapedNetwork, wan
     from swarm.roles.trainer import TrainerConfig, TrainerNode
 
     shape = {**PRESETS, **_extra_sizes()}[args.params]
-    shape_cfg = ShapeConfig(uplink=args.trainer_mbps * 1e6 / 8,
-                            cross_region_latency=args.wan_latency_ms / 1000)
-    links = Links(trainer=shape_cfg.uplink, peer=args.uplink_mbps * 1e6 / 8, n=args.peers,
-                  same_latency=shape_cfg.same_region_latency,
-                  cross_latency=shape_cfg.cross_region_latency if args.peers > 1 else 0.0)
+    shape_cfg = wan(args.trainer_mbps * 1e6 / 8, args.wan_latency_ms / 1000)
+    peer_regions = [r for r in args.peer_regions.split(",") if r]
+    if placed is None:
+        regions = set(peer_regions[:args.peers]) | {args.trainer_region}
+        links = Links(trainer=shape_cfg.uplink, peer=args.uplink_mbps * 1e6 / 8,
+                      n=args.peers, same_latency=shape_cfg.same_region_latency,
+                      cross_latency=shape_cfg.cross_region_latency if len(regions) > 1
+                      else 0.0)
+        where = (f"{args.peers} peers in regions {', '.join(peer_regions[:args.peers])}, "
+                 f"the trainer in {args.trainer_region}; trainer uplink "
+                 f"{args.trainer_mbps:g} Mbit/s, peers {args.uplink_mbps:g} Mbit/s, "
+                 f"{args.wan_latency_ms:g} ms between regions")
+    else:
+        # The kernel shapes the links (the plan's tbf rates); it adds no latency.
+        links = Links(trainer=shape_cfg.uplink, peer=args.uplink_mbps * 1e6 / 8,
+                      n=args.peers, same_latency=0.0, cross_latency=0.0)
+        natted = sum(p.natted for p in placed.peers)
+        where = (f"{args.peers} peers ({natted} behind a NAT) in regions "
+                 f"{', '.join(sorted({p.region for p in placed.peers}))} of a network lab, "
+                 f"the trainer in {placed.trainer.region}; uplinks shaped by the kernel: "
+                 f"trainer {args.trainer_mbps:g} Mbit/s, peers {args.uplink_mbps:g} Mbit/s")
     say(f"swarm bench e2e: Qwen3-style {shape.params / 1e6:.1f}M params, AdamW lr 1e-6, "
-         f"{args.steps} steps, {args.peers} peers in 2 regions; trainer uplink "
-         f"{args.trainer_mbps:g} Mbit/s, peers {args.uplink_mbps:g} Mbit/s, "
-         f"{args.wan_latency_ms:g} ms between regions; work dir {work}")
+        f"{args.steps} steps, {where}; work dir {work}")
     t0 = time.perf_counter()
     workload = await asyncio.to_thread(Workload, WorkloadConfig(shape, seed=args.seed))
     say(f"built the workload in {time.perf_counter() - t0:.1f} s")
     me = Identity.load_or_create(work / "trainer" / "node.key")
-    node_cfg = NodeConfig(listen="/ip4/127.0.0.1/tcp/0", run=RUN, region="r0",
-                          data_plane=DataPlaneConfig(host="127.0.0.1"))
+    host = "127.0.0.1" if placed is None else placed.trainer.addr
+    region0 = args.trainer_region if placed is None else placed.trainer.region
     peers: list[PeerProc] = []
+    children: list[SwarmChild] = []
     rows: list[VersionRow] = []
     counters = _Counters()
     try:
-        async with Libp2pNode(me, node_cfg) as raw:
+        boot: tuple[str, ...] = ()
+        if placed is not None:
+            children.append(_bootstrap(placed.bootstrap, me.peer_id, work))
+            ready = await asyncio.to_thread(children[0].wait_event, "ready", args.timeout)
+            boot = (str(ready["addr"]),)
+        node_cfg = NodeConfig(listen=f"/ip4/{host}/tcp/{0 if placed is None else TRAINER_PORT}",
+                              bootstrap=boot, run=RUN, region=region0,
+                              data_plane=DataPlaneConfig(host=host))
+        async with Libp2pNode(me, node_cfg) as raw, AsyncExitStack() as stack:
             def region_of(peer: str) -> str:
                 meta = raw.directory().get(peer)
                 return "" if meta is None else meta.region
 
-            async with ShapedNetwork(raw, shape_cfg, "r0", region_of) as net, TrainerNode(
-                    me, net, TrainerConfig(run=RUN, data_dir=work / "trainer", region="r0",
-                                           chunk_target=args.chunk_kib << 10)) as node:
-                state = await asyncio.to_thread(inference_state, workload.model)
-                t_pub = time.perf_counter()
-                v0 = await node.publish(state)
-                publish_s = time.perf_counter() - t_pub
-                raw.serve_card(run_card(me, RUN, workload.model, v0.manifest).encode())
-                say(f"published version 0: keyframe of {v0.payload_bytes / MB:.1f} MB in "
-                     f"{publish_s:.2f} s; starting {args.peers} peers")
-                addr = raw.listen_addresses[0]
-                since, egress0 = time.time(), node.driver.exchange.bytes_up
-                for i in range(args.peers):
-                    name, region = f"p{i}", f"r{i % 2}"
+            net = raw if placed is not None else await stack.enter_async_context(
+                ShapedNetwork(raw, shape_cfg, region0, region_of))
+            node = await stack.enter_async_context(TrainerNode(
+                me, net, TrainerConfig(run=RUN, data_dir=work / "trainer", region=region0,
+                                       chunk_target=args.chunk_kib << 10)))
+            state = await asyncio.to_thread(inference_state, workload.model)
+            t_pub = time.perf_counter()
+            v0 = await node.publish(state)
+            publish_s = time.perf_counter() - t_pub
+            raw.serve_card(run_card(me, RUN, workload.model, v0.manifest).encode())
+            say(f"published version 0: keyframe of {v0.payload_bytes / MB:.1f} MB in "
+                f"{publish_s:.2f} s; starting {args.peers} peers")
+            addr = boot[0] if boot else raw.listen_addresses[0]
+            since, egress0 = time.time(), node.driver.exchange.bytes_up
+            for i in range(args.peers):
+                common = ["peer", "--bootstrap", addr, "--trainer", me.peer_id, "--run", RUN,
+                          "--card-timeout", f"{args.timeout:g}", "--status-json"]
+                if placed is None:
+                    name, region = f"p{i}", peer_regions[i % len(peer_regions)]
                     peers.append(PeerProc(name, region, [
-                        "peer", "--bootstrap", addr, "--trainer", me.peer_id, "--run", RUN,
-                        "--data-dir", str(work / name), "--name", name, "--region", region,
-                        "--listen", "/ip4/127.0.0.1/tcp/0",
+                        *common, "--data-dir", str(work / name), "--name", name,
+                        "--region", region, "--listen", "/ip4/127.0.0.1/tcp/0",
                         "--uplink-mbps", f"{args.uplink_mbps:g}",
-                        "--wan-latency-ms", f"{args.wan_latency_ms:g}",
-                        "--card-timeout", f"{args.timeout:g}", "--status-json"], work))
-                events = await _wait_verified(peers, 0, since, args.timeout)
-                rows.append(_row(v0, since, links, node.driver.exchange.bytes_up - egress0,
+                        "--wan-latency-ms", f"{args.wan_latency_ms:g}"], work))
+                    continue
+                spot = placed.peers[i]
+                peers.append(PeerProc(spot.name, spot.region, [
+                    *common, "--data-dir", str(work / spot.name), "--name", spot.name,
+                    "--region", spot.region, "--listen", f"/ip4/{spot.addr}/tcp/{PEER_PORT}"],
+                    work, launcher=spot.launcher))
+            children.extend(peers)
+            events = await _wait_verified(peers, 0, since, args.timeout)
+            rows.append(_row(v0, since, links, node.driver.exchange.bytes_up - egress0,
+                             events, peers, counters, publish_s))
+            for step in range(1, args.steps + 1):
+                t_step = time.perf_counter()
+                loss = await asyncio.to_thread(workload.step)
+                state = await asyncio.to_thread(inference_state, workload.model)
+                say(f"step {step}: trained in {time.perf_counter() - t_step:.2f} s "
+                    f"(loss {loss:.4f}); publishing")
+                egress0 = node.driver.exchange.bytes_up
+                since, t_pub = time.time(), time.perf_counter()
+                pub = await node.publish(state)
+                publish_s = time.perf_counter() - t_pub
+                say(f"  version {step}: {pub.manifest.manifest.kind} of "
+                    f"{pub.payload_bytes / MB:.2f} MB ({pub.ratio:.1f}x smaller than "
+                    f"dense), {len(pub.manifest.manifest.chunks)} chunks, published in "
+                    f"{publish_s:.2f} s")
+                events = await _wait_verified(peers, step, since, args.timeout)
+                rows.append(_row(pub, since, links, node.driver.exchange.bytes_up - egress0,
                                  events, peers, counters, publish_s))
-                for step in range(1, args.steps + 1):
-                    t_step = time.perf_counter()
-                    loss = await asyncio.to_thread(workload.step)
-                    state = await asyncio.to_thread(inference_state, workload.model)
-                    say(f"step {step}: trained in {time.perf_counter() - t_step:.2f} s "
-                         f"(loss {loss:.4f}); publishing")
-                    egress0 = node.driver.exchange.bytes_up
-                    since, t_pub = time.time(), time.perf_counter()
-                    pub = await node.publish(state)
-                    publish_s = time.perf_counter() - t_pub
-                    say(f"  version {step}: {pub.manifest.manifest.kind} of "
-                         f"{pub.payload_bytes / MB:.2f} MB ({pub.ratio:.1f}x smaller than "
-                         f"dense), {len(pub.manifest.manifest.chunks)} chunks, published in "
-                         f"{publish_s:.2f} s")
-                    events = await _wait_verified(peers, step, since, args.timeout)
-                    rows.append(_row(pub, since, links, node.driver.exchange.bytes_up - egress0,
-                                     events, peers, counters, publish_s))
-                rss = {"trainer": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-                rss.update({p.name: p.peak_rss() for p in peers})
-                say("done; stopping the trainer and the peers")
+            rss = {"trainer": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            rss.update({p.name: p.peak_rss() for p in peers})
+            say("done; stopping the trainer and the peers")
     finally:
         # The trainer's node closes first: it does not redial the peers as they exit.
-        await asyncio.to_thread(stop_children, peers)
+        await asyncio.to_thread(stop_children, list(reversed(children)))
     ratios = summary(rows)
     print_tables(rows, ratios, rss)
     return {
         "params": args.params, "param_count": shape.params, "steps": args.steps,
         "peers": args.peers, "trainer_mbps": args.trainer_mbps, "peer_mbps": args.uplink_mbps,
-        "wan_latency_ms": args.wan_latency_ms, "chunk_kib": args.chunk_kib,
+        "wan_latency_ms": 0.0 if placed else args.wan_latency_ms, "chunk_kib": args.chunk_kib,
+        "shaping": "kernel" if placed else "in-process",
+        "natted_peers": sum(p.natted for p in placed.peers) if placed else 0,
         "versions": [r.as_dict() for r in rows], "ratios": ratios, "peak_rss_bytes": rss,
     }
 
 
 def run(args: argparse.Namespace) -> int:
+    placed = None if args.placement is None else load(args.placement)  # one line
+    if placed is not None:
+        args.peers = len(placed.peers)
     if args.peers < 1 or args.steps < 0:
         raise BenchError("--peers must be at least 1 and --steps at least 0")
+    names = [args.trainer_region, *args.peer_regions.split(",")]
+    if not all(n and len(n) <= 16 and n.replace("-", "").isalnum() for n in names):
+        raise BenchError("--trainer-region and --peer-regions: labels of 1-16 letters, digits "
+                         "or dashes, comma-separated")
     if min(args.trainer_mbps, args.uplink_mbps) <= 0 or args.chunk_kib <= 0:
         raise BenchError("--trainer-mbps, --uplink-mbps and --chunk-kib must be positive")
     with workdir(args.keep, "swarm-bench-e2e-") as work:
-        figures = asyncio.run(_bench(args, work))
+        figures = asyncio.run(_bench(args, work, placed))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
         say(f"figures written to {args.json}")

@@ -71,14 +71,13 @@ async def shaped(node: Libp2pNode, args: argparse.Namespace) -> AsyncIterator[Ne
     if not args.uplink_mbps:
         yield node
         return
-    from swarm.roles.shaper import ShapeConfig, ShapedNetwork
+    from swarm.roles.shaper import ShapedNetwork, wan
 
     def region_of(peer: str) -> str:
         meta = node.directory().get(peer)
         return "" if meta is None else meta.region
 
-    cfg = ShapeConfig(uplink=args.uplink_mbps * 1e6 / 8,
-                      cross_region_latency=args.wan_latency_ms / 1000)
+    cfg = wan(args.uplink_mbps * 1e6 / 8, args.wan_latency_ms / 1000)
     async with ShapedNetwork(node, cfg, args.region, region_of) as net:
         yield net
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from swarm.net.topics import PeerMetadata
 
 MAX_QUEUED_PER_PEER = 64
+SAME_REGION_LATENCY = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +38,18 @@ class ShapeConfig:
 
     uplink: float
     """Bytes per second of this node's upload (all destinations together)."""
-    same_region_latency: float = 0.002
+    same_region_latency: float = SAME_REGION_LATENCY
     """One-way seconds to a peer in the same region."""
     cross_region_latency: float = 0.05
     """One-way seconds to a peer in another region."""
+
+
+def wan(uplink: float, cross_region_latency: float) -> ShapeConfig:
+    """An uplink of ``uplink`` bytes/s, ``cross_region_latency`` s to other regions, and
+    the default latency inside the region, or less when other regions are nearer."""
+    same = min(SAME_REGION_LATENCY, cross_region_latency)
+    return ShapeConfig(uplink=uplink, same_region_latency=same,
+                       cross_region_latency=cross_region_latency)
 
 
 class _Bucket:
