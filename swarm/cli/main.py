@@ -41,6 +41,10 @@ GROUPS: dict[str, dict[str, tuple[str, str]]] = {
     "lab": {
         "run": ("swarm.lab.runner",
                 "a swarm in a kernel network lab (namespaces, tbf uplinks, home NATs)"),
+        "bench": ("swarm.lab.bench",
+                  "swarm bench e2e in a kernel network lab, half of its peers behind NATs"),
+        "compare": ("swarm.lab.compare",
+                    "swarm bench e2e over the in-process shaper vs the kernel's tbf, side by side"),
         "cleanup": ("swarm.lab.cleanup", "remove what killed lab runs left behind"),
     },
 }
