@@ -32,12 +32,14 @@ def add_arguments(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
                    help="the benchmark's model size (default 5M)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps published (default 3)")
     p.add_argument("--peers", type=int, default=4, help="swarm peer processes (default 4)")
-    p.add_argument("--trainer-mbps", type=float, default=20.0,
-                   help="the trainer's uplink in Mbit/s (default 20)")
-    p.add_argument("--uplink-mbps", type=float, default=50.0,
-                   help="every peer's uplink in Mbit/s (default 50)")
-    p.add_argument("--chunk-kib", type=int, default=64,
-                   help="delta chunk size in KiB (default 64)")
+    p.add_argument("--trainer-mbps", type=float, default=2.0,
+                   help="the trainer's uplink in Mbit/s (default 2: a delta of the 5M model "
+                        "takes about half a second to leave it, so the links, not these "
+                        "cores, set the pace)")
+    p.add_argument("--uplink-mbps", type=float, default=10.0,
+                   help="every peer's uplink in Mbit/s (default 10)")
+    p.add_argument("--chunk-kib", type=int, default=16,
+                   help="delta chunk size in KiB (default 16: peers have chunks to trade)")
     if not compare:
         p.add_argument("--nat-fraction", type=float, default=0.5, metavar="F",
                        help="share of the peers behind a home NAT each (default 0.5)")
