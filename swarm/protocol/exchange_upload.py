@@ -75,16 +75,28 @@ class UploadSide(ExchangeState):
         """Fill free upload slots at once (the periodic re-ranking is in _rechoke)."""
         if self.config.unchoke_all:
             return
-        unchoked = [p for p in self._peers.values() if not p.we_choke]
-        for p in unchoked:
-            if not self._interested(p) and not p.queue:
-                self._set_choke(p, True)
-        used = [p for p in self._peers.values() if not p.we_choke]
+        peers = self._peers.values()
+        interested = self._interested
+        used: list[PeerState] = []
+        for p in peers:
+            if not p.we_choke:
+                if p.queue or interested(p):
+                    used.append(p)
+                else:
+                    self._set_choke(p, True)
         room = self.config.upload_slots - len(used)
         if room <= 0:
             return
         remote_used = sum(1 for p in used if p.region != self.region)
-        candidates = [p for p in self._peers.values() if p.we_choke and self._interested(p)]
+        objs = self._objects
+        if len(objs) == 1:
+            # _interested, inlined for the usual single object (called for every neighbour)
+            ((obj, o),) = objs.items()
+            n = len(o.have)
+            candidates = [p for p in peers if p.we_choke and not p.trainer and obj in p.haves
+                          and n > p.common.get(obj, 0)] if n else []
+        else:
+            candidates = [p for p in peers if p.we_choke and interested(p)]
         self._rng.shuffle(candidates)
         candidates.sort(key=lambda p: -p.got_recent)
         remote_room = max(0, self.config.remote_slots - remote_used)
