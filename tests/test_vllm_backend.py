@@ -222,6 +222,76 @@ async def test_vllm_with_the_swarm_backend_follows_versions_bit_exactly(
         await vllm.call(vllm.llm.shutdown_weight_transfer_engine)
 
 
+class _OnVLLMThread:
+    """A client whose every call runs on the in-process vLLM's thread (see VLLMThread)."""
+
+    def __init__(self, client: Any, vllm: VLLMThread) -> None:
+        self._client = client
+        self._vllm = vllm
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._client, name)
+        return lambda *a, **kw: self._vllm._pool.submit(method, *a, **kw).result()
+
+
+async def test_a_trainer_side_swarm_engine_has_vllm_apply_each_version_it_sends(
+        tmp_path: Path) -> None:
+    """vLLM's trainer-side API: ``WeightTransferTrainerFactory.trainer_init`` with the swarm
+    init info starts a trainer node and makes vLLM a member; each ``send_weights``
+    publishes the model as a sparse version and drives the four phases, after which vLLM's
+    per-tensor digests are the version's and its greedy tokens the torch engine's."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from swarm.integrations.vllm.trainer import (
+        LLMClient,
+        SwarmTrainerInitInfo,
+        SwarmTrainerWeightTransferEngine,
+    )
+
+    master, model_dir, reference = _model(tmp_path)
+    vllm = VLLMThread()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(vllm.close)
+        await vllm.call(vllm.start, model_dir)  # registers the backend, both sides
+        info = SwarmTrainerInitInfo(run=RUN, data_dir=str(tmp_path / "trainer"),
+                                    model_dir=str(model_dir),
+                                    member_data_dir=str(tmp_path / "member"),
+                                    dtype="float32", piece_size=1 << 16,
+                                    chunk_target=16 << 10, update_wait=60.0, rank=0)
+        client = _OnVLLMThread(LLMClient(vllm.llm), vllm)
+        # the model's tied lm_head comes once from named_parameters: the engine fills it
+        engine = await asyncio.to_thread(WeightTransferTrainerFactory.trainer_init, info,
+                                         client=client, source=ModuleSource(master))
+        stack.callback(engine.shutdown)
+        assert isinstance(engine, SwarmTrainerWeightTransferEngine)
+        assert engine.names == list(master.state_dict())
+        status = await vllm.call(vllm.status)
+        assert status["model_version"] == 0 and status["failure"] is None
+
+        seen: list[list[tuple[int, ...]]] = []
+        for version in (1, 2, 3):
+            _step(master, seed=version)
+            await asyncio.to_thread(engine.send_weights)
+            state = inference_state(master, "float32")
+            assert engine.version == version
+            assert await vllm.call(vllm.digests) == {n: digest_of(t) for n, t in state.items()}
+            assert await vllm.call(vllm.llm.get_weight_version) == str(version)
+            reference.apply(state)
+            theirs = await vllm.call(vllm.greedy)
+            assert theirs == [c.token_ids for c in reference.generate(PROMPTS, GREEDY)]
+            seen.append(theirs)
+            status = await vllm.call(vllm.status)
+            assert status["model_version"] == version and status["verified"] == version
+        assert len({tuple(s) for s in seen}) > 1  # the versions differ in their output
+        dense = sum(t.numel() * t.element_size() for t in state.values())
+        assert all(0 < b < dense for b in engine.payload_bytes), (engine.payload_bytes, dense)
+        print("send_weights (publish s, four phases s):",
+              [(round(p, 3), round(a, 3)) for p, a in engine.send_seconds],
+              f"payload bytes {engine.payload_bytes} of {dense} dense")
+        await vllm.call(vllm.llm.shutdown_weight_transfer_engine)
+
+
 def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})

@@ -30,8 +30,10 @@ BACKEND = "swarm"
 #: vLLM versions the backend was written and tested for (the engine API changes often).
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 
-_ENGINE_MODULE = "swarm.integrations.vllm.backend"
 _ENGINE_CLASS = "SwarmWeightTransferEngine"
+_TRAINER_CLASS = "SwarmTrainerWeightTransferEngine"
+_MODULES = {_ENGINE_CLASS: "swarm.integrations.vllm.backend",
+            _TRAINER_CLASS: "swarm.integrations.vllm.trainer"}
 
 
 class VLLMVersionError(RuntimeError):
@@ -50,8 +52,10 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Register the ``swarm`` backend with vLLM; idempotent (vLLM calls it in every
-    process, possibly more than once).
+    """Register the ``swarm`` backend with vLLM: the receiving engine
+    (``WeightTransferEngineFactory``) and the trainer's
+    (``WeightTransferTrainerFactory``, :mod:`swarm.integrations.vllm.trainer`); idempotent
+    (vLLM calls it in every process, possibly more than once).
 
     It also makes vLLM's CPU backend keep plain ``F.linear`` weights in servers that use
     the ``swarm`` backend (only those), so the backend can write them in place.
@@ -59,12 +63,17 @@ def register() -> None:
     :raises VLLMVersionError: the installed vLLM is not a tested version.
     """
     import vllm
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
 
     check_vllm_version(str(vllm.__version__))
-    registry: dict[str, Any] = getattr(WeightTransferEngineFactory, "_registry", {})
-    if BACKEND not in registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, _ENGINE_MODULE, _ENGINE_CLASS)
+    for factory, cls in ((WeightTransferEngineFactory, _ENGINE_CLASS),
+                         (WeightTransferTrainerFactory, _TRAINER_CLASS)):
+        registry: dict[str, Any] = getattr(factory, "_registry", {})
+        if BACKEND not in registry:
+            factory.register_engine(BACKEND, _MODULES[cls], cls)
     _keep_plain_cpu_linear()
 
 
