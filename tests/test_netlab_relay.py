@@ -1,6 +1,6 @@
 """NATed peers trading with each other in the kernel lab (root): the bootstrap relays,
-NATed peers punch TCP holes through their NATs, and every peer verifies every version.
-The figures of the issue are printed: hole-punch success rate, bytes relayed, trainer
+NATed peers punch TCP holes through their NATs (behind symmetric NATs every punch fails
+and they stay relayed), and every peer verifies every version. The figures of the issue are printed: hole-punch success rate, bytes relayed, trainer
 egress, sync time against the same lab with every peer public."""
 
 from __future__ import annotations
@@ -59,3 +59,15 @@ def test_netlab_natted_peers_trade_over_the_relay_without_punching(tmp_path: Pat
     assert natted["natted_to_natted_bytes"] > 0
     print(f"relayed {natted['relay']['relayed_bytes']} bytes over "
           f"{natted['relay']['circuits']} circuits")
+
+
+@pytest.mark.timeout(150)
+def test_netlab_symmetric_nats_fail_every_punch_and_stay_relayed(tmp_path: Path) -> None:
+    natted = _lab(tmp_path, "symmetric", "--nat-fraction", "0.67", "--symmetric-nat")
+    tried, ok = natted["punch_attempts"], natted["punch_ok"]
+    assert tried > 0 and ok == 0, (ok, tried)  # a fresh random port per connection
+    assert natted["relay"]["relayed_bytes"] > 0 and natted["relay"]["circuits"] > 0
+    assert natted["natted_to_natted_bytes"] > 0  # they still trade, over the relay
+    print(f"symmetric NATs: hole punches {ok} of {tried}; relayed "
+          f"{natted['relay']['relayed_bytes']} bytes over {natted['relay']['circuits']} "
+          "circuits")

@@ -256,7 +256,7 @@ class Lab:
         tag = ("-m", "comment", "--comment", p.prefix)
         for nat in p.nats:
             sh("iptables", "-t", "nat", "-A", "POSTROUTING", "-o", nat.wan_if, *tag,
-               "-j", "MASQUERADE", ns=nat.ns)
+               "-j", "MASQUERADE", *(["--random-fully"] if nat.symmetric else []), ns=nat.ns)
             sh("iptables", "-A", "FORWARD", "-i", nat.wan_if, "-m", "conntrack",
                "--ctstate", "NEW", *tag, "-j", "DROP", ns=nat.ns)
             # As most home routers: an unsolicited SYN to the router itself is dropped,

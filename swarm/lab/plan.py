@@ -71,6 +71,10 @@ class Scenario:
     bootstrap_mbps: float = 100.0
     regions: tuple[str, ...] = ("a", "b", "c")
     base: str = "10.77.0.0/16"
+    symmetric_nat: bool = False
+    """The NATs map every new connection to a fresh random port (MASQUERADE
+    ``--random-fully``), as symmetric and carrier-grade NATs do: a hole punch cannot guess
+    the port, so NATed peers reach each other only through a relay."""
 
     def check(self) -> None:
         if self.peers < 1:
@@ -149,6 +153,7 @@ class Nat:
     lan_if: str
     wan_addr: str
     lan_net: str
+    symmetric: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +279,8 @@ def plan(scenario: Scenario, prefix: str | None = None) -> Plan:
         wan = attach(region, home, 0.0)
         lan = link(space, ip(128 + k, 2), home, ip(128 + k, 1), 24, a_mbps=mbps)
         out.routes.append(Route(space, "default", ip(128 + k, 1)))
-        nat = Nat(home, wan.a_if, lan.b_if, wan.a_addr, f"{ip(128 + k, 0)}/24")
+        nat = Nat(home, wan.a_if, lan.b_if, wan.a_addr, f"{ip(128 + k, 0)}/24",
+                  scenario.symmetric_nat)
         out.nats.append(nat)
         out.hosts.append(Host(name, "peer", scenario.regions[region], space, lan.a_addr,
                               wan.a_addr, mbps, nat))

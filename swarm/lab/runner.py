@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-relay", action="store_true",
                    help="the bootstrap runs no relay (NATed peers then reach only public "
                         "ones)")
+    p.add_argument("--symmetric-nat", action="store_true",
+                   help="the home NATs give every connection a random port, as symmetric "
+                        "NATs do (hole punches then fail; NATed peers trade over the relay)")
     p.add_argument("--no-punch", action="store_true",
                    help="NATed peers try no TCP hole punch (what they trade with each "
                         "other stays relayed)")
@@ -146,6 +149,7 @@ def scenario_of(args: argparse.Namespace) -> Scenario:
         raise PlanError("--regions: at least 2 (the trainer's and one of peers)")
     labels = tuple(chr(ord("a") + i) if i < 26 else f"r{i}" for i in range(args.regions))
     return Scenario(peers=args.peers, nat_fraction=args.nat_fraction,
+                    symmetric_nat=args.symmetric_nat,
                     uplinks=parse_rates(args.uplinks), trainer_mbps=args.trainer_mbps,
                     regions=labels)
 
@@ -158,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
     natted = sum(h.natted for h in lab_plan.peers)
     say(f"swarm lab: bootstrap and trainer ({args.trainer_mbps:g} Mbit/s) public in region "
         f"{lab_plan.scenario.regions[0]}; {len(lab_plan.peers)} peers in regions "
-        f"{', '.join(lab_plan.scenario.regions[1:])}, {natted} behind a NAT; "
-        f"{args.steps} versions after version 0")
+        f"{', '.join(lab_plan.scenario.regions[1:])}, {natted} behind a "
+        f"{'symmetric NAT' if args.symmetric_nat else 'NAT'}; {args.steps} versions after "
+        "version 0")
     t0 = time.monotonic()
     with workdir(args.keep, "swarm-lab-") as work, Lab(lab_plan, say=say) as lab:
         figures = _run_swarm(lab, args, work)
