@@ -52,14 +52,16 @@ def test_netlab_compare_shaper_and_kernel_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     done = _swarm("lab", "compare", *SMALL, "--peers", "2", "--json", str(out), timeout=280)
     lines = done.stdout.splitlines()
-    head = lines.index("version  to every peer, shaper s  kernel s  shaper / kernel")
-    assert [x.split()[0] for x in lines[head + 1:head + 4]] == ["1", "2", "mean"]
+    head = lines.index("run  version  to every peer, shaper s  kernel s  shaper / kernel")
+    assert [x.split()[:2] for x in lines[head + 1:head + 3]] == [["1", "1"], ["1", "2"]]
+    assert [x.split()[0] for x in lines[head + 3:head + 5]] == ["mean", "median"]
     assert any(x.startswith("result: the shaper and the kernel ") for x in lines)
     figures = json.loads(out.read_text())
-    assert figures["shaper"]["shaping"] == "in-process"
-    assert figures["kernel"]["shaping"] == "kernel" and figures["kernel"]["natted_peers"] == 0
-    _verified_by_all(figures["shaper"], 2)
-    _verified_by_all(figures["kernel"], 2)
+    [shaper], [in_lab] = figures["shaper"], figures["kernel"]
+    assert shaper["shaping"] == "in-process"
+    assert in_lab["shaping"] == "kernel" and in_lab["natted_peers"] == 0
+    _verified_by_all(shaper, 2)
+    _verified_by_all(in_lab, 2)
     c = figures["comparison"]
     assert c["ratio"] == pytest.approx(c["shaper_mean_s"] / c["kernel_mean_s"])
     print("\n".join(lines[head:]))

@@ -82,7 +82,8 @@ def run_e2e(argv: list[str], what: str, timeout: float) -> dict[str, Any]:
     return figures
 
 
-def in_lab(args: argparse.Namespace, work: Path, nat_fraction: float) -> dict[str, Any]:
+def in_lab(args: argparse.Namespace, work: Path, nat_fraction: float, name: str = "lab"
+           ) -> dict[str, Any]:
     scenario = Scenario(peers=args.peers, nat_fraction=nat_fraction,
                         uplinks=(args.uplink_mbps,), trainer_mbps=args.trainer_mbps,
                         regions=REGIONS)
@@ -91,9 +92,9 @@ def in_lab(args: argparse.Namespace, work: Path, nat_fraction: float) -> dict[st
         trainer = lab_plan.host("trainer")
         placed = Placement(_spot(lab, trainer), _spot(lab, lab_plan.host("bootstrap")),
                            tuple(_spot(lab, h) for h in lab_plan.peers))
-        placed.write(work / "placement.json")
-        argv = [*e2e_argv(args, work / "lab", work / "lab.json"),
-                "--placement", str(work / "placement.json")]
+        placed.write(work / f"{name}.placement.json")
+        argv = [*e2e_argv(args, work / name, work / f"{name}.json"),
+                "--placement", str(work / f"{name}.placement.json")]
         budget = 120 + args.timeout * (args.steps + 1)
         return run_e2e(lab.command(trainer, argv), "in the lab", budget)
 
