@@ -34,3 +34,19 @@ def test_yamux_reading_a_connection_closed_here_is_not_an_error(
     levels = {r.getMessage().split(": ")[1]: r.levelname for r in caplog.records
               if r.name.startswith("swarm.net.libp2p.")}
     assert levels == {"ClosedResourceError": "DEBUG", "ValueError": "ERROR"}
+
+
+def test_a_connection_arriving_while_the_node_stops_logs_no_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Peers redialling a stopping trainer made libp2p print a traceback per connection."""
+    with caplog.at_level(logging.DEBUG, logger="swarm.net.libp2p"):
+        route_libp2p_logging()
+        log = logging.getLogger("libp2p.network.swarm")
+        log.warning("[ADDCONN_FAIL] add_conn failed for peer %s: %r\n%s", "12D3KooWx",
+                    RuntimeError("Cannot schedule task after service has stopped"),
+                    "Traceback (most recent call last): ...")
+        log.warning("[ADDCONN_FAIL] add_conn failed for peer %s: %r\n%s", "12D3KooWy",
+                    RuntimeError("odd"), "Traceback (most recent call last): ...")
+    levels = {r.getMessage().split(" for peer ")[1][:10]: r.levelname for r in caplog.records
+              if r.name == "swarm.net.libp2p.libp2p.network.swarm"}
+    assert levels == {"12D3KooWx:": "DEBUG", "12D3KooWy:": "WARNING"}

@@ -21,6 +21,9 @@ Two things it takes care of:
 - yamux logs an ERROR ("Error in handle_incoming ... ClosedResourceError") whenever a
   connection this node closed itself is read once more: every refused reconnection of
   a banned peer printed one. It is forwarded at DEBUG.
+- libp2p's swarm logs a WARNING with a traceback ("[ADDCONN_FAIL] ... Cannot schedule
+  task after service has stopped") for a connection that arrives while this node stops:
+  every peer redialling a stopping trainer printed one. It is forwarded at DEBUG.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ _DIAL_FAILED = ("Failed to open TCP stream", "Unexpected error opening TCP strea
                 # a stream to a peer whose connection just broke (a peer gone away)
                 "Failed to open stream to peer", "MultiselectClient handshake")
 _CLOSED_HERE = ("Error in handle_incoming for peer", "ClosedResourceError")
+_STOPPING = ("[ADDCONN_FAIL]", "Cannot schedule task after service has stopped")
 
 
 class _DialFailures:
@@ -74,6 +78,16 @@ class _DialFailures:
 _DIALS = _DialFailures()
 
 
+def _expected(record: logging.LogRecord, level: int) -> bool:
+    """A yamux read of a connection closed here, or a connection arriving as we stop."""
+    msg = record.msg
+    if not isinstance(msg, str):
+        return False
+    if level >= logging.ERROR and msg.startswith(_CLOSED_HERE[0]):
+        return _CLOSED_HERE[1] in msg
+    return msg.startswith(_STOPPING[0]) and _STOPPING[1] in record.getMessage()
+
+
 class _Forward(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         level = logging.DEBUG if record.levelno == logging.INFO else record.levelno
@@ -83,8 +97,7 @@ class _Forward(logging.Handler):
             if summary is not None:
                 logging.getLogger(PREFIX).warning("%s", summary)
             level = logging.DEBUG
-        elif level >= logging.ERROR and isinstance(record.msg, str) \
-                and record.msg.startswith(_CLOSED_HERE[0]) and _CLOSED_HERE[1] in record.msg:
+        elif _expected(record, level):
             level = logging.DEBUG
         target = logging.getLogger(f"{PREFIX}.{record.name}")
         if target.isEnabledFor(level):
