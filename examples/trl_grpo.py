@@ -16,6 +16,7 @@ and prints the command volunteers join with).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
@@ -45,10 +46,8 @@ class Peer:
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace").strip()
             if line.startswith("{"):
-                try:
+                with contextlib.suppress(ValueError):
                     self.events.append(json.loads(line))
-                except ValueError:
-                    pass
 
     def checked_versions(self) -> dict[int, tuple[str, str]]:
         """version -> (the engine's weights digest, the verified state's) for each
