@@ -69,8 +69,9 @@ def test_four_hosts_reach_every_peer_and_split_the_egress() -> None:
 
 
 def test_one_host_gives_the_single_trainer_figures_exactly() -> None:
-    # measured on the small preset before the simulator had trainer hosts
-    rep = run_step(PRESETS["small"], 0)
+    # measured on the small preset before the simulator had trainer hosts (and import
+    # ranks from a directory: with ranks over neighbours, as then)
+    rep = run_step(PRESETS["small"].with_(import_ranks="neighbours"), 0)
     assert rep.swarm.completion_s == 1.080021229250933
     assert rep.swarm.trainer_egress == 21643887.999999996
     assert rep.swarm.host_egress == [21643887.999999996]

@@ -66,6 +66,8 @@ from swarm.protocol.exchange_types import (
     ChunkStored,
     Event,
     ExchangeConfig,
+    Importer,
+    ImportRank,
     ObjectComplete,
     ObjectSpec,
     PeerBanned,
@@ -126,6 +128,10 @@ class Exchange(DownloadSide, UploadSide):
         self._deadlines: list[tuple[float, float, str, bytes, int]] = []
         self._avg = 1
         self._locals: list[str] | None = None  # same-region neighbours, see _local_peers
+        self._keys: set[int] | None = None
+        self._regions: list[str] = []
+        self._rank_of: ImportRank | None = None
+        self._importer_of: Importer | None = None
         self.bytes_up = 0
         self.bytes_down = 0
         self.bytes_wasted = 0
@@ -223,6 +229,7 @@ class Exchange(DownloadSide, UploadSide):
         p.tie = (p.key ^ self._salt) * 0x9E3779B1 & 0xFFFFFFFF
         self._peers[peer] = p
         self._locals = None
+        self._keys = None
         self._set_rate(p, p.rate)
         for ob in self._objects.values():
             ob.importers.clear()
@@ -230,10 +237,23 @@ class Exchange(DownloadSide, UploadSide):
                 ob.ranks.clear()
         for o in self._objects.values():
             self._send_bitfield(p, o)
-        if self.config.unchoke_all:
+        p.always = self.config.unchoke_remote and region != self.region and not trainer
+        if self.config.unchoke_all or p.always:
             p.we_choke = False
             self._out.append((peer, Unchoke()))
         self._update_interest(now)
+
+    def use_directory(self, rank: ImportRank, importer: Importer) -> None:
+        """Rank imports over every member of a region, as a directory of the swarm lists
+        them (``rank``: mine for a chunk; ``importer``: a region's first importer of a
+        chunk, for super-seeding), instead of over my own neighbours: each chunk then has
+        one first importer per region however many members it has."""
+        self._rank_of = rank
+        self._importer_of = importer
+        for ob in self._objects.values():
+            ob.importers.clear()
+            ob.ranks.clear()
+            ob.firsts = None
 
     def set_trainer(self, peer: str, trainer: bool, now: float) -> None:
         """A neighbour turned out to seed for the trainer (a manifest named it), or no
@@ -251,6 +271,7 @@ class Exchange(DownloadSide, UploadSide):
                     for idx in idxs:
                         o.local[idx] += step
         self._locals = None
+        self._keys = None
         for ob in self._objects.values():
             ob.importers.clear()
             ob.ranks.clear()
@@ -263,6 +284,7 @@ class Exchange(DownloadSide, UploadSide):
         if p is None:
             return
         self._locals = None
+        self._keys = None
         for ob in self._objects.values():
             ob.importers.clear()
             if self._is_local(p):

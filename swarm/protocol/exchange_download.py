@@ -63,11 +63,21 @@ class DownloadSide(ExchangeState):
         if o.complete_at is not None or p.trainer or not self.config.fetch \
                 or self._room(p) <= 0:
             return
-        if self._budget() <= 0:
+        if self._budget() <= 0 and idx not in self._firsts(o):
             return
         src = self._choose_source(o, idx, self._local_peers(), now, ())
         if src is not None:
             self._request(o, idx, src, now)
+
+    def _firsts(self, o: ObjectState) -> frozenset[int]:
+        """The chunks of ``o`` whose first importer into my region I am, by the ranks a
+        directory gives (none without one)."""
+        f = o.firsts
+        if f is None:
+            rank = self._rank_of
+            f = o.firsts = frozenset() if rank is None else frozenset(
+                i for i in range(len(o.spec.sizes)) if rank(o.spec.obj, i) == 0)
+        return f
 
     def _pick(self, now: float) -> None:
         """Issue requests, rarest first, until the in-flight window is full."""
@@ -86,6 +96,13 @@ class DownloadSide(ExchangeState):
             # the trainer's upload must not wait on a busy downloader
             for idx in sorted(o.suggested):
                 if idx not in o.have and idx not in o.inflight:
+                    src = self._choose_source(o, idx, local_peers, now, ())
+                    if src is not None:
+                        self._request(o, idx, src, now)
+            # so do my first imports into the region: the region waits on them
+            for idx in self._firsts(o):
+                if idx not in o.have and idx not in o.inflight and not o.local[idx] \
+                        and not o.holders[idx].isdisjoint(roomy):
                     src = self._choose_source(o, idx, local_peers, now, ())
                     if src is not None:
                         self._request(o, idx, src, now)
@@ -227,10 +244,15 @@ class DownloadSide(ExchangeState):
         # an import into the region: rendezvous rank decides who goes first
         rank = o.ranks.get(idx)
         if rank is None:
-            # no local neighbour holds idx here, so this set only changes with neighbours
-            lacking = [(self._peers[q].key, self._peers[q].upload or 1.0) for q in local_peers]
-            rank = o.ranks[idx] = picker.import_rank(
-                (self._key, self.config.upload_rate or 1.0), idx, o.spec.obj, lacking)
+            if self._rank_of is not None:
+                rank = o.ranks[idx] = self._rank_of(o.spec.obj, idx)
+            else:
+                # no local neighbour holds idx here, so this set only changes with
+                # neighbours
+                lacking = [(self._peers[q].key, self._peers[q].upload or 1.0)
+                           for q in local_peers]
+                rank = o.ranks[idx] = picker.import_rank(
+                    (self._key, self.config.upload_rate or 1.0), idx, o.spec.obj, lacking)
         if best_remote is not None:
             # give the previous rank time to ask, queue and receive it
             wait = max(cfg.import_delay,
@@ -244,6 +266,12 @@ class DownloadSide(ExchangeState):
             self._set_wake(ready)
             return None
         assert trainer is not None
+        if any(obj == o.spec.obj and i in o.suggested for obj, i in trainer.out):
+            # The trainer is still sending me a chunk it suggested: its uplink is what the
+            # swarm waits on, and asking it for one suggested to another peer would queue
+            # a copy behind that (every peer's last resort firing before the first
+            # suggested chunk arrived sent the trainer's payload once per peer).
+            return None
         ready = max(ready, o.last_progress + cfg.last_resort_delay)
         if now >= ready:
             return trainer.peer

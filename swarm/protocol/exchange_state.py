@@ -11,7 +11,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from swarm.protocol.exchange_msgs import Message
-from swarm.protocol.exchange_types import Chunk, Event, ExchangeConfig, ObjectSpec, Verifier
+from swarm.protocol.exchange_types import (
+    Chunk,
+    Event,
+    ExchangeConfig,
+    Importer,
+    ImportRank,
+    ObjectSpec,
+    Verifier,
+)
 
 
 @dataclass(slots=True)
@@ -27,6 +35,9 @@ class ObjectState:
     first_seen: dict[int, float] = field(default_factory=dict)
     suggested: set[int] = field(default_factory=set)
     ranks: dict[int, int] = field(default_factory=dict)
+    firsts: frozenset[int] | None = None
+    """With import ranks from a directory: the chunks I am my region's first importer
+    of (``None``: not computed yet)."""
     importers: dict[tuple[str, int], int | None] = field(default_factory=dict)
     complete_at: float | None = None
     avg_size: int = 1
@@ -57,6 +68,8 @@ class PeerState:
     choked_us: bool = True
     we_choke: bool = True
     optimistic: bool = False
+    always: bool = False
+    """Never choked (``unchoke_remote``), and not counted in the upload slots."""
     out: dict[tuple[bytes, int], float] = field(default_factory=dict)
     queue: deque[tuple[bytes, int]] = field(default_factory=deque)
     suggested_to: dict[bytes, set[int]] = field(default_factory=dict)
@@ -110,6 +123,13 @@ class ExchangeState:
     _avg: int
     _locals: list[str] | None
     """Same-region neighbours (see ``_local_peers``); ``None`` until computed."""
+    _rank_of: ImportRank | None
+    """Import ranks over the region's members from a directory (``use_directory``);
+    ``None``: over my same-region neighbours."""
+    _importer_of: Importer | None
+    _keys: set[int] | None
+    """The neighbours' peer keys (see ``_neighbour_keys``); ``None`` until computed."""
+    _regions: list[str]
     bytes_up: int
     bytes_down: int
     bytes_wasted: int

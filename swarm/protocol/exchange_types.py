@@ -13,6 +13,11 @@ from swarm.content.manifest import SignedManifest
 Chunk = bytes | memoryview
 """A chunk held for serving: received bytes, or a read-only view of a state held here."""
 Verifier = Callable[[bytes, Chunk], bool]
+ImportRank = Callable[[bytes, int], int]
+"""(object, chunk index) -> this node's import rank for that chunk in its region."""
+Importer = Callable[[str, bytes, int], "int | None"]
+"""(region, object, chunk index) -> the :func:`~swarm.protocol.picker.peer_key` of that
+region's first importer of the chunk (``None``: nobody known there)."""
 
 #: Objects not (yet) known here whose haves one neighbour may make us remember.
 MAX_UNKNOWN_OBJECTS = 8
@@ -114,6 +119,12 @@ class ExchangeConfig:
     """Endgame: at most this many sources asked for one chunk at once."""
     endgame_late: float = 2.0
     """Endgame: a request is late after this many times its expected delivery time."""
+    unchoke_remote: bool = False
+    """Never choke neighbours in other regions, and keep the upload slots for those in
+    this one (with import ranks from a directory a node's remote neighbours are the few
+    peers that import its group's chunks into their regions, and their regions wait on
+    them); the slots go round the same-region neighbours, those served least lately
+    first, instead of to those that serve us best."""
     broadcast_haves: bool = False
     """Queue the have of each stored chunk once, addressed to every neighbour (peer name
     ``""`` in :meth:`~swarm.protocol.exchange.Exchange.take_outgoing`), instead of once

@@ -79,7 +79,7 @@ class UploadSide(ExchangeState):
         interested = self._interested
         used: list[PeerState] = []
         for p in peers:
-            if not p.we_choke:
+            if not p.we_choke and not p.always:
                 if p.queue or interested(p):
                     used.append(p)
                 else:
@@ -111,7 +111,7 @@ class UploadSide(ExchangeState):
             room -= 1
 
     def _set_choke(self, p: PeerState, choke: bool) -> None:
-        if p.we_choke == choke:
+        if p.we_choke == choke or p.always:
             return
         p.we_choke = choke
         if choke:
@@ -132,9 +132,15 @@ class UploadSide(ExchangeState):
                 p.got_recent = p.sent_recent = 0
             return
         seeding = all(o.complete_at is not None for o in self._objects.values())
-        interested = [p for p in self._peers.values() if self._interested(p)]
+        interested = [p for p in self._peers.values() if not p.always and self._interested(p)]
         self._rng.shuffle(interested)
-        interested.sort(key=lambda p: -(p.sent_recent if seeding else p.got_recent))
+        if self.config.unchoke_remote:
+            # in turn: those we served least lately first (ranked by what they gave us,
+            # the slow-uplink peers of a large region were choked by every region-mate
+            # holding what they lacked, for a second at a time)
+            interested.sort(key=lambda p: p.sent_recent)
+        else:
+            interested.sort(key=lambda p: -(p.sent_recent if seeding else p.got_recent))
         slots = max(1, self.config.upload_slots - 1)
         remote_cap = self.config.remote_slots
         keep: set[str] = set()
@@ -165,11 +171,44 @@ class UploadSide(ExchangeState):
 
     def _importer(self, o: ObjectState, p: PeerState, idx: int) -> int | None:
         key = (p.region, idx)
-        if key not in o.importers:
+        if key not in o.importers and self._importer_of is not None:
+            o.importers[key] = self._importer_of(p.region, o.spec.obj, idx)
+        elif key not in o.importers:
             members = [(q.key, q.upload or 1.0) for q in self._peers.values()
                        if q.region == p.region and not q.trainer]
             o.importers[key] = picker.importer(idx, o.spec.obj, members)
         return o.importers[key]
+
+    def _not_theirs_first(self, o: ObjectState, cands: list[int]) -> list[int]:
+        """Ranked over whole regions, every region's importer of a chunk is known and
+        gets its first copy: of ``cands``, those already handed out, or whose importers
+        are not connected here."""
+        keys = self._neighbour_keys()
+        regions = self._regions
+        first = self._importer_of
+        assert first is not None
+        out = []
+        for i in cands:
+            if not o.times_suggested[i]:
+                for r in regions:
+                    key = (r, i)
+                    if key not in o.importers:
+                        o.importers[key] = first(r, o.spec.obj, i)
+                    if o.importers[key] in keys:
+                        break
+                else:
+                    out.append(i)
+            else:
+                out.append(i)
+        return out
+
+    def _neighbour_keys(self) -> set[int]:
+        """The neighbours' peer keys (and ``_regions``, theirs), cached until one comes
+        or goes."""
+        if self._keys is None:
+            self._keys = {q.key for q in self._peers.values()}
+            self._regions = sorted({q.region for q in self._peers.values() if not q.trainer})
+        return self._keys
 
     def _seeding(self, o: ObjectState) -> bool:
         """Super-seed ``o``: we hold all of it, or our share of it and fetch nothing."""
@@ -221,8 +260,11 @@ class UploadSide(ExchangeState):
         if not cands and budget_left:
             cands = [i for i in mine if i not in theirs and i not in outstanding
                      and o.pending[i] == 0 and o.availability[i] <= 1]
+            if self._importer_of is not None:
+                cands = self._not_theirs_first(o, cands)
         if not cands and not outstanding:
-            cands = fresh  # keep it busy with anything not handed out yet
+            # keep it busy with anything not handed out yet
+            cands = fresh if self._importer_of is None else self._not_theirs_first(o, fresh)
         cands.sort(key=lambda i: (o.times_suggested[i], o.availability[i],
                                   o.tiebreaks[i]))
         for i in cands[:want]:

@@ -83,6 +83,16 @@ def importer(index: int, obj: bytes, members: Iterable[tuple[int, float]]) -> in
     return None if best is None else best[0]
 
 
+def rendezvous_order(index: int, obj: bytes, members: Sequence[tuple[int, float]]
+                     ) -> list[int]:
+    """Positions in ``members`` ((key, weight)) in import-rank order for chunk ``index``:
+    the ``k``-th is that of the member whose :func:`import_rank` among them is ``k``."""
+    salt = _rank_salt(index, obj)
+    scored = sorted(((_score(k, w, salt), k, pos) for pos, (k, w) in enumerate(members)),
+                    reverse=True)
+    return [pos for _, _, pos in scored]
+
+
 def pipeline_depth(rate: float, rtt: float, chunk_bytes: int, lo: int, hi: int) -> int:
     """Requests to keep in flight to one neighbour: its bandwidth-delay product in chunks,
     plus one so the link never idles while the next request travels."""

@@ -34,6 +34,7 @@ from swarm.protocol.exchange import (
     PeerTimedOut,
 )
 from swarm.protocol.exchange_msgs import Have, Message, Piece
+from swarm.sim.directory import Directory
 from swarm.sim.scenario import Population
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,11 @@ class SwarmSim:
         self._changed = False
         self._names = [peer_name(i, self.hosts) for i in range(self.n_total)]
         self._index = {name: i for i, name in enumerate(self._names)}
+        self.directory: Directory | None = None
+        if sc.import_ranks == "directory":
+            others = len({self.topo.region[i] for i in range(self.hosts, self.n_total)}) - 1
+            self.directory = Directory(self.topo, self._names, sc.regions, self.hosts,
+                                       max(1, sc.max_remote // max(1, others)))
 
     # ------------------------------------------------------------ plumbing
 
@@ -185,10 +191,13 @@ class SwarmSim:
                 self.config, download_rate=self.topo.down[i], upload_rate=self.topo.up[i],
                 upload_slots=slots,
                 remote_slots=max(1, min(self.config.remote_slots, slots // 3)),
-                broadcast_haves=True)
+                unchoke_remote=self.directory is not None, broadcast_haves=True)
         region = self.pop.scenario.regions[self.topo.region[i]]
         core = Exchange(self._names[i], region=region, config=cfg, seed=self.seed + i,
                         now=self.now, verifier=self._verify)
+        d = self.directory
+        if d is not None:
+            core.use_directory(lambda obj, idx: d.rank(i, obj, idx), d.first_importer)
         self.cores[i] = core
         self.alive.add(i)
         self.links[i] = set()
@@ -223,6 +232,19 @@ class SwarmSim:
     def _choose_neighbours(self, i: int, candidates: list[int]) -> None:
         sc = self.pop.scenario
         r = self.topo.region[i]
+        if self.directory is not None:
+            region = self.topo.region
+            local = [j for j in candidates
+                     if j != i and region[j] == r and j not in self.links[i]]
+            self.rng.shuffle(local)
+            have = sum(1 for j in self.links[i] if j >= self.hosts and region[j] == r)
+            for j in local[: max(0, sc.max_local - have)]:
+                self._link(i, j)
+            present = set(candidates)
+            for j in self.directory.remote_neighbours(i):
+                if j in present:
+                    self._link(i, j)
+            return
         local = [j for j in candidates if j != i and self.topo.region[j] == r]
         remote = [j for j in candidates if j != i and self.topo.region[j] != r]
         self.rng.shuffle(local)

@@ -92,6 +92,13 @@ class Scenario:
     """Same-region neighbours per peer."""
     max_remote: int = 12
     """Other-region neighbours per peer."""
+    import_ranks: str = "directory"
+    """``"directory"``: chunks are imported into a region in rank order over all of its
+    members, with remote neighbours by group (:mod:`swarm.sim.directory`), and a peer
+    dials region-mates only until it has ``max_local`` (counting those that dialled it,
+    as the discovery loop does); ``"neighbours"``: ranks over a peer's own region-mates
+    among its neighbours (the exchange core's default), random remote neighbours, and
+    ``max_local`` and ``max_remote`` dialled by every peer."""
     upload_concurrency: int = 4
     """Pieces each peer sends at once (its upload scheduler); the rest wait their turn."""
     trainer_upload_concurrency: int = 4
@@ -172,6 +179,8 @@ class Scenario:
                 or self.rollout_s < 0):
             raise LocalProtocolError("concurrency >= 1; quantum, neighbours, rollout >= 0")
         self._check_loop()
+        if self.import_ranks not in ("directory", "neighbours"):
+            raise LocalProtocolError("import_ranks is 'directory' or 'neighbours'")
         hosts = self.trainer_hosts
         if (not isinstance(hosts, int) or isinstance(hosts, bool)
                 or not 1 <= hosts <= min(MAX_TRAINER_HOSTS, len(self.chunk_sizes()))):
