@@ -80,7 +80,7 @@ class VLLMThread:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-    def start(self, model_dir: Path) -> None:
+    def start(self, model_dir: Path, **extra: Any) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
@@ -92,7 +92,7 @@ class VLLMThread:
                        max_model_len=128, seed=0, enforce_eager=True,
                        kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
                        distributed_executor_backend="uni", disable_log_stats=True,
-                       weight_transfer_config={"backend": "swarm"})
+                       weight_transfer_config={"backend": "swarm"}, **extra)
 
     def greedy(self) -> list[tuple[int, ...]]:
         from vllm import SamplingParams
@@ -219,6 +219,41 @@ async def test_vllm_with_the_swarm_backend_follows_versions_bit_exactly(
         reference.apply(state)
         assert await vllm.call(vllm.greedy) == [c.token_ids for c in
                                                 reference.generate(PROMPTS, GREEDY)]
+        await vllm.call(vllm.llm.shutdown_weight_transfer_engine)
+
+
+async def test_auto_follow_applies_each_verified_version_at_a_request_boundary(
+        tmp_path: Path) -> None:
+    """``"auto_follow": true``: no update calls; the worker applies the latest verified
+    version before the next request runs, and its tokens are that version's."""
+    master, model_dir, reference = _model(tmp_path)
+    trainer_id = Identity.from_seed(b"A" * 32)
+    vllm = VLLMThread()
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(vllm.close)
+        tnode = await stack.enter_async_context(Libp2pNode(trainer_id, NodeConfig(run=RUN)))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnode, TrainerConfig(run=RUN, data_dir=tmp_path / "trainer",
+                                             piece_size=1 << 16, chunk_target=16 << 10)))
+        v0 = await trainer.publish(inference_state(master, "float32"))
+        tnode.serve_card(run_card(trainer_id, RUN, master, v0.manifest, dtype="float32").encode())
+        await vllm.call(vllm.start, model_dir, enable_prefix_caching=False)
+        init = {"bootstrap": [tnode.listen_addresses[0]], "trainer": trainer_id.peer_id,
+                "run": RUN, "data_dir": str(tmp_path / "member"), "auto_follow": True}
+        await vllm.call(vllm.llm.init_weight_transfer_engine, {"init_info": init})
+        for versions in ((1,), (2, 3)):  # two versions at once: the later one applies
+            for version in versions:
+                _step(master, seed=version)
+                state = inference_state(master, "float32")
+                await trainer.publish(state)
+            await _staged(vllm, versions[-1])
+            assert (await vllm.call(vllm.status))["model_version"] == versions[0] - 1
+            reference.apply(state)
+            assert await vllm.call(vllm.greedy) == [c.token_ids for c in
+                                                    reference.generate(PROMPTS, GREEDY)]
+            status = await vllm.call(vllm.status)
+            assert status["model_version"] == versions[-1] and status["failure"] is None
+            assert await vllm.call(vllm.digests) == {n: digest_of(t) for n, t in state.items()}
         await vllm.call(vllm.llm.shutdown_weight_transfer_engine)
 
 

@@ -10,6 +10,10 @@ written tensor's digest against the verified state's. On any error nothing stays
 applied: a check that fails before writing writes nothing, and a digest mismatch after
 writing restores the previous values.
 
+With ``"auto_follow": true`` in ``init_info`` (and vLLM's prefix caching off) the worker
+applies the latest verified version by itself, before the first forward pass in which no
+request started under the previous weights is still running (a request boundary).
+
 ``start_weight_update`` and ``finish_weight_update`` do nothing (writes are in place).
 After an update, reset vLLM's prefix cache (``llm.reset_prefix_cache()``), as after any
 in-place weight change.
@@ -47,6 +51,9 @@ class SwarmInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
     listen: str = "/ip4/127.0.0.1/tcp/0"
     max_staged: int = 4
     card_timeout: float = 120.0
+    auto_follow: bool = False
+    """Apply each verified version by itself, at the first request boundary after it
+    (a forward pass with no request started before it); needs prefix caching off."""
 
 
 @dataclass
@@ -73,6 +80,9 @@ class SwarmWeightTransferEngine(WeightTransferEngine[SwarmInitInfo, SwarmUpdateI
         self._views = checkpoint_views(model)
         self._dtype = next(iter(self._views.values())).dtype
         self.member: SwarmMember | None = None
+        self.auto_follow = False
+        self._follow_failed = -1
+        """The last version auto-follow could not apply (not retried)."""
         self.last_apply_s = 0.0
         self._rollback: dict[str, torch.Tensor] = {}
         """Buffers for the values an update overwrites (allocated once, on first use)."""
@@ -86,9 +96,17 @@ class SwarmWeightTransferEngine(WeightTransferEngine[SwarmInitInfo, SwarmUpdateI
             bootstrap=tuple(init_info.bootstrap), trainer=init_info.trainer,
             run=init_info.run, data_dir=Path(init_info.data_dir), listen=init_info.listen,
             max_staged=init_info.max_staged, card_timeout=init_info.card_timeout)
+        if init_info.auto_follow:
+            if self.vllm_config.cache_config.enable_prefix_caching:
+                raise ValueError(
+                    "auto_follow needs vLLM started with enable_prefix_caching=False: the "
+                    "worker cannot drop the scheduler's cached keys and values computed "
+                    "with the previous weights")
+            _follow_at_request_boundaries()
         member = SwarmMember(config, self._build_state)
         member.start()
         self.member = member
+        self.auto_follow = init_info.auto_follow
 
     def start_weight_update(self) -> None:
         return None
@@ -143,6 +161,26 @@ class SwarmWeightTransferEngine(WeightTransferEngine[SwarmInitInfo, SwarmUpdateI
         log.info("applied swarm version %d (%d tensors) in %.3f s", version, len(names),
                  self.last_apply_s)
         return len(names)
+
+    def follow(self, live_requests: int) -> int | None:
+        """Auto-follow: at a request boundary (``live_requests`` 0: no request started
+        before this forward pass is still running), apply the latest staged version;
+        returns it, or None. A version that fails is logged, leaves nothing applied and
+        is not tried again; serving goes on with the version the model holds."""
+        member = self.member
+        if not self.auto_follow or member is None or live_requests:
+            return None
+        staged = member.staged.staged()
+        if not staged or staged[-1] == self._follow_failed:
+            return None
+        version = staged[-1]
+        try:
+            self.apply_version(version)
+        except EngineUpdateError as exc:
+            self._follow_failed = version
+            log.error("auto-follow: version %d not applied: %s", version, exc)
+            return None
+        return version
 
     def _keep_previous(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the named tensors as the model holds them, to restore on a failed
@@ -213,6 +251,28 @@ def swarm_status(worker: Any) -> dict[str, Any]:
 def swarm_digests(worker: Any) -> dict[str, bytes]:
     """``llm.collective_rpc(swarm_digests)``: per-tensor digests the model holds."""
     return _engine(worker).tensor_digests()
+
+
+def _follow_at_request_boundaries() -> None:
+    """Wrap vLLM's ``Worker.execute_model`` (once per process) so that a worker whose
+    swarm engine auto-follows applies staged versions before a forward pass in which no
+    earlier request is still running."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    current = Worker.execute_model
+    if getattr(current, "_swarm_follow", False):
+        return
+
+    def execute_model(self: Any, scheduler_output: Any) -> Any:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, SwarmWeightTransferEngine) and engine.auto_follow:
+            held = getattr(getattr(self, "model_runner", None), "requests", {})
+            finished: set[str] = getattr(scheduler_output, "finished_req_ids", None) or set()
+            engine.follow(len(set(held) - set(finished)))
+        return current(self, scheduler_output)
+
+    setattr(execute_model, "_swarm_follow", True)  # noqa: B010 (a function attribute)
+    Worker.execute_model = execute_model
 
 
 def _engine(worker: Any) -> SwarmWeightTransferEngine:
