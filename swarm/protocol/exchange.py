@@ -130,6 +130,7 @@ class Exchange(DownloadSide, UploadSide):
         self._locals: list[str] | None = None  # same-region neighbours, see _local_peers
         self._keys: set[int] | None = None
         self._regions: list[str] = []
+        self._unchokers: dict[str, PeerState] = {}
         self._rank_of: ImportRank | None = None
         self._importer_of: Importer | None = None
         self.bytes_up = 0
@@ -290,6 +291,7 @@ class Exchange(DownloadSide, UploadSide):
             if self._is_local(p):
                 ob.ranks.clear()
         self._ready.discard(peer)
+        self._unchokers.pop(peer, None)
         for obj, idxs in p.haves.items():
             o = self._objects.get(obj)
             if o is None:
@@ -504,8 +506,10 @@ class Exchange(DownloadSide, UploadSide):
             # no new requests to p; it rejects those it had queued (each Reject frees the
             # chunk for another source) and the piece already on the wire still arrives
             p.choked_us = True
+            self._unchokers.pop(p.peer, None)
         elif isinstance(msg, Unchoke):
             p.choked_us = False
+            self._unchokers[p.peer] = p
             self._pick(now)
 
     def _on_have(self, p: PeerState, msg: Have, now: float) -> None:

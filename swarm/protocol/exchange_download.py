@@ -84,8 +84,8 @@ class DownloadSide(ExchangeState):
         cfg = self.config
         if not cfg.fetch:
             return
-        roomy = {p.peer for p in self._peers.values()
-                 if not p.choked_us and p.depth > len(p.out)}  # _room(p) > 0
+        roomy = {h for h, p in self._unchokers.items()
+                 if p.depth > len(p.out)}  # _room(p) > 0
         if not roomy:
             return
         peers, region, import_delay = self._peers, self.region, cfg.import_delay

@@ -127,6 +127,8 @@ class ExchangeState:
     """Import ranks over the region's members from a directory (``use_directory``);
     ``None``: over my same-region neighbours."""
     _importer_of: Importer | None
+    _unchokers: dict[str, PeerState]
+    """The neighbours that unchoke us (``choked_us`` false), in the order they did."""
     _keys: set[int] | None
     """The neighbours' peer keys (see ``_neighbour_keys``); ``None`` until computed."""
     _regions: list[str]
