@@ -147,9 +147,9 @@ class SwarmTrainerWeightTransferEngine(TrainerWeightTransferEngine[SwarmTrainerI
         (the workers wait up to ``update_wait`` seconds to verify it), finish with the
         version as vLLM's weight version. Called on every rank.
 
-        :raises EngineUpdateError: (from vLLM) the workers could not apply it; nothing of
-            it stays applied and the update session is over (no finish is sent).
-        """
+        When the workers could not apply the version, the client's error (naming the
+        cause; over HTTP a 500) propagates: nothing of it stays applied and the update
+        session is over (no finish is sent)."""
         state = self.read_source()
         if not self.is_sender:
             return
