@@ -376,6 +376,7 @@ class SwarmGeneration:
         tasks = node.add_tasks([(f"v{self.version}-b{batch}-{i}", p)
                                 for i, p in enumerate(prompts)],
                                group_size=n, sampling=sampling)
+        watch = asyncio.create_task(self._report_waiting(batch, len(tasks)))
         try:
             accepted = await node.collect(tasks, timeout=cfg.collect_timeout)
         except TimeoutError:
@@ -383,10 +384,25 @@ class SwarmGeneration:
                 f"no completions for {len(tasks)} prompts within {cfg.collect_timeout:.0f} s "
                 f"({len(self._net.connected_peers())} peers connected; join with: "
                 f"{self.join_command})") from None
+        finally:
+            watch.cancel()
         results = {r.task_id: r for a in accepted for r in a.results}
         groups = [[(tuple(c.token_ids), tuple(c.logprobs)) for c in results[t.task_id].completions]
                   for t in tasks]
         return groups, {a.holder for a in accepted}
+
+    async def _report_waiting(self, batch: int, prompts: int, every: float = 30.0) -> None:
+        """While a batch waits, say every ``every`` seconds what the lease book holds (a
+        stalled batch then shows why in the trainer's log: no peers, no claims, refusals)."""
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            book = self._node.leases
+            log.warning(
+                "swarm: batch %d has waited %.0f s for %d prompts: %d peers connected, "
+                "%d tasks queued, %d leases live; lease book %s", batch,
+                time.monotonic() - t0, prompts, len(self._net.connected_peers()),
+                book.queued, len(book.live_leases()), book.stats.as_dict())
 
     async def _linger(self) -> None:
         from swarm.cli.trainer import wait_delivered
