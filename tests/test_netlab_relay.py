@@ -1,7 +1,8 @@
 """NATed peers trading with each other in the kernel lab (root): the bootstrap relays,
 NATed peers punch TCP holes through their NATs (behind symmetric NATs every punch fails
-and they stay relayed), and every peer verifies every version. The figures of the issue are printed: hole-punch success rate, bytes relayed, trainer
-egress, sync time against the same lab with every peer public."""
+and they stay relayed), and every peer verifies every version. The figures of the issue
+are printed: hole-punch success rate, bytes relayed, trainer egress, sync time against
+the same lab with every peer public."""
 
 from __future__ import annotations
 
