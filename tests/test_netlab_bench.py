@@ -52,7 +52,8 @@ def test_netlab_compare_shaper_and_kernel_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     done = _swarm("lab", "compare", *SMALL, "--peers", "2", "--json", str(out), timeout=280)
     lines = done.stdout.splitlines()
-    head = lines.index("run  version  to every peer, shaper s  kernel s  shaper / kernel")
+    head = lines.index("run  version  to every peer, shaper s  kernel s  shaper / kernel  "
+                       "publish s, shaper  kernel")
     assert [x.split()[:2] for x in lines[head + 1:head + 3]] == [["1", "1"], ["1", "2"]]
     assert [x.split()[0] for x in lines[head + 3:head + 5]] == ["mean", "median"]
     assert any(x.startswith("result: the shaper and the kernel ") for x in lines)
@@ -64,5 +65,7 @@ def test_netlab_compare_shaper_and_kernel_side_by_side(tmp_path: Path) -> None:
     _verified_by_all(in_lab, 2)
     c = figures["comparison"]
     assert c["ratio"] == pytest.approx(c["shaper_mean_s"] / c["kernel_mean_s"])
+    assert 0 < c["shaper_after_publish_s"] < c["shaper_mean_s"]
+    assert 0 < c["kernel_after_publish_s"] < c["kernel_mean_s"]
     print("\n".join(lines[head:]))
     assert kernel.namespaces() == before

@@ -66,9 +66,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _all_s(figures: dict[str, Any]) -> dict[int, float]:
-    return {int(v["version"]): float(v["all_s"]) for v in figures["versions"]
-            if int(v["version"]) > 0}
+def _all_s(figures: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    """Delta version -> (to every peer, of which publishing) in s."""
+    return {int(v["version"]): (float(v["all_s"]), float(v["publish_s"]))
+            for v in figures["versions"] if int(v["version"]) > 0}
 
 
 def _egress(figures: dict[str, Any]) -> float:
@@ -81,7 +82,8 @@ def comparison(shaper: list[dict[str, Any]], kernel: list[dict[str, Any]]) -> di
     rows = []
     for run_i, (a, b) in enumerate(zip(map(_all_s, shaper), map(_all_s, kernel),
                                        strict=True)):
-        rows += [{"run": run_i + 1, "version": v, "shaper_s": a[v], "kernel_s": b[v]}
+        rows += [{"run": run_i + 1, "version": v, "shaper_s": a[v][0], "kernel_s": b[v][0],
+                  "shaper_publish_s": a[v][1], "kernel_publish_s": b[v][1]}
                  for v in sorted(set(a) & set(b))]
     if not rows:
         raise LabError("the runs have no delta version in common")
@@ -89,7 +91,12 @@ def comparison(shaper: list[dict[str, Any]], kernel: list[dict[str, Any]]) -> di
     mean_a, mean_b = statistics.fmean(xs), statistics.fmean(ys)
     med_a, med_b = statistics.median(xs), statistics.median(ys)
     ratio = mean_a / mean_b if mean_b > 0 else 0.0
+    # after the publish: the links' part (the publish runs on the trainer's CPU alone)
+    net_a = statistics.fmean(r["shaper_s"] - r["shaper_publish_s"] for r in rows)
+    net_b = statistics.fmean(r["kernel_s"] - r["kernel_publish_s"] for r in rows)
     return {"versions": rows, "shaper_mean_s": mean_a, "kernel_mean_s": mean_b,
+            "shaper_after_publish_s": net_a, "kernel_after_publish_s": net_b,
+            "after_publish_ratio": net_a / net_b if net_b > 0 else 0.0,
             "ratio": ratio, "shaper_median_s": med_a, "kernel_median_s": med_b,
             "median_ratio": med_a / med_b if med_b > 0 else 0.0,
             "agree": abs(ratio - 1.0) <= AGREE,
@@ -99,15 +106,19 @@ def comparison(shaper: list[dict[str, Any]], kernel: list[dict[str, Any]]) -> di
 
 def print_comparison(c: dict[str, Any]) -> None:
     say("")
-    say("run  version  to every peer, shaper s  kernel s  shaper / kernel")
+    say("run  version  to every peer, shaper s  kernel s  shaper / kernel  "
+        "publish s, shaper  kernel")
     for row in c["versions"]:
         r = row["shaper_s"] / row["kernel_s"] if row["kernel_s"] > 0 else 0.0
         say(f"{row['run']:>3} {row['version']:>8} {row['shaper_s']:>24.2f} "
-            f"{row['kernel_s']:>9.2f} {r:>16.2f}")
+            f"{row['kernel_s']:>9.2f} {r:>16.2f}  {row['shaper_publish_s']:>17.2f} "
+            f"{row['kernel_publish_s']:>7.2f}")
     say(f"{'mean':>12} {c['shaper_mean_s']:>24.2f} {c['kernel_mean_s']:>9.2f} "
         f"{c['ratio']:>16.2f}")
     say(f"{'median':>12} {c['shaper_median_s']:>24.2f} {c['kernel_median_s']:>9.2f} "
         f"{c['median_ratio']:>16.2f}")
+    say(f"{'after the publish':>12}: shaper {c['shaper_after_publish_s']:.2f} s, kernel "
+        f"{c['kernel_after_publish_s']:.2f} s, shaper / kernel {c['after_publish_ratio']:.2f}")
     say(f"trainer egress / payload: shaper {c['shaper_egress_ratio']:.2f}x, kernel "
         f"{c['kernel_egress_ratio']:.2f}x")
     verdict = "agree" if c["agree"] else "DISAGREE"
