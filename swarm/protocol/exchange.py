@@ -254,6 +254,7 @@ class Exchange(DownloadSide, UploadSide):
         for ob in self._objects.values():
             ob.importers.clear()
             ob.ranks.clear()
+            ob.firsts = None
 
     def set_trainer(self, peer: str, trainer: bool, now: float) -> None:
         """A neighbour turned out to seed for the trainer (a manifest named it), or no

@@ -63,11 +63,21 @@ class DownloadSide(ExchangeState):
         if o.complete_at is not None or p.trainer or not self.config.fetch \
                 or self._room(p) <= 0:
             return
-        if self._budget() <= 0:
+        if self._budget() <= 0 and idx not in self._firsts(o):
             return
         src = self._choose_source(o, idx, self._local_peers(), now, ())
         if src is not None:
             self._request(o, idx, src, now)
+
+    def _firsts(self, o: ObjectState) -> frozenset[int]:
+        """The chunks of ``o`` whose first importer into my region I am, by the ranks a
+        directory gives (none without one)."""
+        f = o.firsts
+        if f is None:
+            rank = self._rank_of
+            f = o.firsts = frozenset() if rank is None else frozenset(
+                i for i in range(len(o.spec.sizes)) if rank(o.spec.obj, i) == 0)
+        return f
 
     def _pick(self, now: float) -> None:
         """Issue requests, rarest first, until the in-flight window is full."""
@@ -86,6 +96,13 @@ class DownloadSide(ExchangeState):
             # the trainer's upload must not wait on a busy downloader
             for idx in sorted(o.suggested):
                 if idx not in o.have and idx not in o.inflight:
+                    src = self._choose_source(o, idx, local_peers, now, ())
+                    if src is not None:
+                        self._request(o, idx, src, now)
+            # so do my first imports into the region: the region waits on them
+            for idx in self._firsts(o):
+                if idx not in o.have and idx not in o.inflight and not o.local[idx] \
+                        and not o.holders[idx].isdisjoint(roomy):
                     src = self._choose_source(o, idx, local_peers, now, ())
                     if src is not None:
                         self._request(o, idx, src, now)

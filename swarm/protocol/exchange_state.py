@@ -35,6 +35,9 @@ class ObjectState:
     first_seen: dict[int, float] = field(default_factory=dict)
     suggested: set[int] = field(default_factory=set)
     ranks: dict[int, int] = field(default_factory=dict)
+    firsts: frozenset[int] | None = None
+    """With import ranks from a directory: the chunks I am my region's first importer
+    of (``None``: not computed yet)."""
     importers: dict[tuple[str, int], int | None] = field(default_factory=dict)
     complete_at: float | None = None
     avg_size: int = 1
