@@ -28,20 +28,19 @@ import asyncio
 import contextlib
 import logging
 import tempfile
-import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from swarm.errors import LocalProtocolError, SwarmError
+from swarm.integrations._thread import NodeThread
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +105,7 @@ class Stats:
     """Peers whose results reached the loss."""
 
 
-class SwarmGeneration:
+class SwarmGeneration(NodeThread):
     """TRL's generation backend, served by a swarm: see the module docstring.
 
     Made by :func:`attach`; a context manager (leaving it closes the node, after the
@@ -114,6 +113,7 @@ class SwarmGeneration:
     """
 
     def __init__(self, trainer: Any, config: SwarmConfig) -> None:
+        super().__init__("swarm-trl")
         self.trainer = trainer
         self.config = config
         self.model = trainer.accelerator.unwrap_model(trainer.model)
@@ -127,11 +127,6 @@ class SwarmGeneration:
         self._seed_base = int(getattr(trainer.args, "seed", 0)) << 20
         self._batches = 0
         self._sampling = _sampling_of(trainer)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="swarm-trl", daemon=True)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._node: Any = None
         self._net: Any = None
         self._policies: Any = None
@@ -221,7 +216,6 @@ class SwarmGeneration:
         if self._closed:
             return
         self._closed = True
-        loop, stop = self._loop, self._stop
         running = self._ready.is_set() and self._error is None
         if running and publish_last and \
                 int(self.trainer.state.global_step) != self._published_at:
@@ -231,11 +225,7 @@ class SwarmGeneration:
                 self._call(self._linger(), timeout=self.config.linger + 30.0)
             except Exception as exc:
                 log.warning("swarm: could not wait for the last version to spread: %s", exc)
-        if loop is not None and stop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stop.set)
-        if self._thread.is_alive():
-            self._thread.join(60.0)
+        self._halt(60.0)
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -252,21 +242,8 @@ class SwarmGeneration:
         :raises SwarmError: the node could not start (a port in use, ...), or
             ``data_dir`` holds an earlier run.
         """
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            self._thread.join(30.0)
-            raise self._error
+        self._launch()
         self._published_at = int(self.trainer.state.global_step)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:
-            if self._error is None:
-                self._error = exc
-        finally:
-            self._ready.set()
 
     async def _main(self) -> None:
         from swarm.engines.hf_model import run_card
@@ -277,8 +254,7 @@ class SwarmGeneration:
         from swarm.roles.trainer import TrainerConfig, TrainerNode
 
         cfg = self.config
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
+        stop = self._bind()
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         me = Identity.load_or_create(cfg.data_dir / "node.key")
         self.peer_id = me.peer_id
@@ -308,7 +284,7 @@ class SwarmGeneration:
                                     model_dir=model_dir).encode())
             self._ready.set()
             log.info("swarm: TRL trainer %s at %s", me.peer_id, self.address)
-            await node.wait(self._stop.wait())
+            await node.wait(stop.wait())
 
     def _card_dir(self) -> Path:
         """A dir with the trainer's tokenizer and generation config, for the card."""
@@ -408,13 +384,6 @@ class SwarmGeneration:
         from swarm.cli.trainer import wait_delivered
 
         await wait_delivered(self._node, set(self._net.connected_peers()), self.config.linger)
-
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        loop = self._loop
-        if loop is None or self._error is not None or not self._thread.is_alive():
-            coro.close()
-            raise SwarmError(f"the swarm node is not running ({self._error})")
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     def _metric(self, name: str, value: float) -> None:
         metrics = getattr(self.trainer, "_metrics", None)

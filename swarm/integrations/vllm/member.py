@@ -18,7 +18,6 @@ This module imports no vLLM.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -32,6 +31,7 @@ import torch
 from swarm.engines import Completion, EngineUpdateError, Sampling
 from swarm.engines.tensors import digest_of
 from swarm.errors import LocalProtocolError, NodeFailed
+from swarm.integrations._thread import NodeThread
 from swarm.roles.peer import PeerConfig, RolloutPeer
 
 if TYPE_CHECKING:
@@ -262,18 +262,14 @@ class _BackendPeer(RolloutPeer):
 StateBuilder = Callable[["RunCard"], dict[str, torch.Tensor]]
 
 
-class SwarmMember:
+class SwarmMember(NodeThread):
     """A follow-only swarm member on its own thread and event loop."""
 
     def __init__(self, config: MemberConfig, build_state: StateBuilder) -> None:
+        super().__init__("swarm-member")
         self.config = config
         self.staged = StagedVersions(max_staged=config.max_staged)
         self._build_state = build_state
-        self._thread = threading.Thread(target=self._run, name="swarm-member", daemon=True)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
         self.peer: RolloutPeer | None = None
         self.peer_id = ""
         self.card: RunCard | None = None
@@ -284,11 +280,7 @@ class SwarmMember:
         :raises SwarmError: no card within ``card_timeout``, a model of another layout,
             or the node could not start.
         """
-        self._thread.start()
-        self._ready.wait(self.config.card_timeout + 60.0)
-        if self._error is not None:
-            self._thread.join(10.0)
-            raise self._error
+        self._launch(self.config.card_timeout + 60.0, join=10.0)
         if self.peer is None:
             self.stop()
             raise LocalProtocolError("the swarm member did not start in time")
@@ -312,21 +304,7 @@ class SwarmMember:
 
     def stop(self) -> None:
         """Leave the run (idempotent)."""
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
-                loop.call_soon_threadsafe(stop.set)
-        if self._thread.is_alive():
-            self._thread.join(30.0)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:
-            if self._error is None:
-                self._error = exc
-        finally:
-            self._ready.set()
+        self._halt(30.0)
 
     async def _main(self) -> None:
         from swarm.cli._card import obtain_card
@@ -335,8 +313,7 @@ class SwarmMember:
         from swarm.net.node import Libp2pNode, NodeConfig
 
         cfg = self.config
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
+        stop = self._bind()
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         identity = Identity.load_or_create(cfg.data_dir / "node.key")
         self.peer_id = identity.peer_id
@@ -365,7 +342,7 @@ class SwarmMember:
                 log.info("swarm member %s follows run %r (the model holds version %d)",
                          identity.peer_id, cfg.run, self.staged.model_version)
                 try:
-                    await peer.wait(self._stop.wait())  # until stopped, or the peer fails
+                    await peer.wait(stop.wait())  # until stopped, or the peer fails
                 except NodeFailed as exc:
                     log.error("swarm member stopped: %s", exc)
 

@@ -37,10 +37,8 @@ This module imports vLLM (its base classes); :mod:`swarm.integrations.vllm` does
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
@@ -51,6 +49,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from swarm.errors import LocalProtocolError, SwarmError
+from swarm.integrations._thread import NodeThread
 
 if TYPE_CHECKING:
     from swarm.roles.trainer import Published
@@ -254,58 +253,31 @@ def _skeleton(model_dir: Path) -> Any:
         return auto.from_config(AutoConfig.from_pretrained(model_dir))
 
 
-class _TrainerThread:
+class _TrainerThread(NodeThread):
     """A libp2p node and a :class:`~swarm.roles.trainer.TrainerNode` on an asyncio loop in
     a thread of their own; the caller's thread waits on it for each call."""
 
     def __init__(self, info: SwarmTrainerInitInfo) -> None:
+        super().__init__("swarm-vllm-trainer")
         self.info = info
         self.peer_id = ""
         self.address = ""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="swarm-vllm-trainer",
-                                        daemon=True)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._trainer: Any = None
         self._state: dict[str, torch.Tensor] = {}
 
     def start(self, state: dict[str, torch.Tensor]) -> None:
         self._state = state
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            self._thread.join(30.0)
-            raise self._error
+        self._launch()
 
     async def publish(self, state: Mapping[str, torch.Tensor]) -> Published:
         published: Published = await self._trainer.publish(state)
         return published
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        loop = self._loop
-        if loop is None or self._error is not None or not self._thread.is_alive():
-            coro.close()
-            raise SwarmError(f"the swarm trainer node is not running ({self._error})")
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        return self._call(coro, "the swarm trainer node")
 
     def stop(self) -> None:
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
-                loop.call_soon_threadsafe(stop.set)
-        if self._thread.is_alive():
-            self._thread.join(60.0)
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as exc:
-            if self._error is None:
-                self._error = exc
-        finally:
-            self._ready.set()
+        self._halt(60.0)
 
     async def _main(self) -> None:
         from swarm.engines.hf_model import run_card
@@ -315,8 +287,7 @@ class _TrainerThread:
         from swarm.roles.trainer import TrainerConfig, TrainerNode
 
         info = self.info
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
+        stop = self._bind()
         data_dir = Path(info.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         me = Identity.load_or_create(data_dir / "node.key")
@@ -341,7 +312,7 @@ class _TrainerThread:
             net.serve_card(run_card(me, info.run, skeleton, v0.manifest, dtype=info.dtype,
                                     model_dir=Path(info.model_dir)).encode())
             self._ready.set()
-            await node.wait(self._stop.wait())
+            await node.wait(stop.wait())
 
 
 class LLMClient:
