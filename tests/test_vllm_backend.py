@@ -143,6 +143,18 @@ async def _staged(vllm: VLLMThread, version: int, timeout: float = 60.0) -> dict
         await asyncio.sleep(0.1)
 
 
+async def _seed(stack: contextlib.AsyncExitStack, trainer_id: Identity, master: Any,
+                data_dir: Path, **config: Any) -> tuple[Libp2pNode, TrainerNode]:
+    """A trainer node that published ``master`` as version 0 and serves its run card."""
+    tnode = await stack.enter_async_context(Libp2pNode(trainer_id, NodeConfig(run=RUN)))
+    trainer = await stack.enter_async_context(TrainerNode(
+        trainer_id, tnode, TrainerConfig(run=RUN, data_dir=data_dir, piece_size=1 << 16,
+                                         **config)))
+    v0 = await trainer.publish(inference_state(master, "float32"))
+    tnode.serve_card(run_card(trainer_id, RUN, master, v0.manifest, dtype="float32").encode())
+    return tnode, trainer
+
+
 async def test_vllm_with_the_swarm_backend_follows_versions_bit_exactly(
         tmp_path: Path) -> None:
     try:
@@ -155,12 +167,8 @@ async def test_vllm_with_the_swarm_backend_follows_versions_bit_exactly(
     vllm = VLLMThread()
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(vllm.close)
-        tnode = await stack.enter_async_context(Libp2pNode(trainer_id, NodeConfig(run=RUN)))
-        trainer = await stack.enter_async_context(TrainerNode(
-            trainer_id, tnode, TrainerConfig(run=RUN, data_dir=tmp_path / "trainer",
-                                             piece_size=1 << 16, chunk_target=16 << 10)))
-        v0 = await trainer.publish(inference_state(master, "float32"))
-        tnode.serve_card(run_card(trainer_id, RUN, master, v0.manifest, dtype="float32").encode())
+        tnode, trainer = await _seed(stack, trainer_id, master, tmp_path / "trainer",
+                                     chunk_target=16 << 10)
 
         await vllm.call(vllm.start, model_dir)
         assert await vllm.call(vllm.greedy) == [c.token_ids for c in
@@ -231,12 +239,8 @@ async def test_auto_follow_applies_each_verified_version_at_a_request_boundary(
     vllm = VLLMThread()
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(vllm.close)
-        tnode = await stack.enter_async_context(Libp2pNode(trainer_id, NodeConfig(run=RUN)))
-        trainer = await stack.enter_async_context(TrainerNode(
-            trainer_id, tnode, TrainerConfig(run=RUN, data_dir=tmp_path / "trainer",
-                                             piece_size=1 << 16, chunk_target=16 << 10)))
-        v0 = await trainer.publish(inference_state(master, "float32"))
-        tnode.serve_card(run_card(trainer_id, RUN, master, v0.manifest, dtype="float32").encode())
+        tnode, trainer = await _seed(stack, trainer_id, master, tmp_path / "trainer",
+                                     chunk_target=16 << 10)
         await vllm.call(vllm.start, model_dir, enable_prefix_caching=False)
         init = {"bootstrap": [tnode.listen_addresses[0]], "trainer": trainer_id.peer_id,
                 "run": RUN, "data_dir": str(tmp_path / "member"), "auto_follow": True}
@@ -363,12 +367,7 @@ async def test_a_vllm_server_with_the_swarm_backend_takes_a_version_over_http(
     port = _free_port()
     log_path = tmp_path / "server.log"
     async with contextlib.AsyncExitStack() as stack:
-        tnode = await stack.enter_async_context(Libp2pNode(trainer_id, NodeConfig(run=RUN)))
-        trainer = await stack.enter_async_context(TrainerNode(
-            trainer_id, tnode, TrainerConfig(run=RUN, data_dir=tmp_path / "trainer",
-                                             piece_size=1 << 16)))
-        v0 = await trainer.publish(inference_state(master, "float32"))
-        tnode.serve_card(run_card(trainer_id, RUN, master, v0.manifest, dtype="float32").encode())
+        tnode, trainer = await _seed(stack, trainer_id, master, tmp_path / "trainer")
         log_file = stack.enter_context(open(log_path, "w"))  # noqa: SIM115 (closed by the stack)
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
