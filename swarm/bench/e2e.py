@@ -358,23 +358,21 @@ async def _bench(args: argparse.Namespace, work: Path,
     peer_regions = [r for r in args.peer_regions.split(",") if r]
     if placed is None:
         regions = set(peer_regions[:args.peers]) | {args.trainer_region}
-        links = Links(trainer=shape_cfg.uplink, peer=args.uplink_mbps * 1e6 / 8,
-                      n=args.peers, same_latency=shape_cfg.same_region_latency,
-                      cross_latency=shape_cfg.cross_region_latency if len(regions) > 1
-                      else 0.0)
+        same = shape_cfg.same_region_latency
+        cross = shape_cfg.cross_region_latency if len(regions) > 1 else 0.0
         where = (f"{args.peers} peers in regions {', '.join(peer_regions[:args.peers])}, "
                  f"the trainer in {args.trainer_region}; trainer uplink "
                  f"{args.trainer_mbps:g} Mbit/s, peers {args.uplink_mbps:g} Mbit/s, "
                  f"{args.wan_latency_ms:g} ms between regions")
     else:
-        # The kernel shapes the links (the plan's tbf rates); it adds no latency.
-        links = Links(trainer=shape_cfg.uplink, peer=args.uplink_mbps * 1e6 / 8,
-                      n=args.peers, same_latency=0.0, cross_latency=0.0)
+        same = cross = 0.0  # the kernel shapes the links (tbf rates); it adds no latency
         natted = sum(p.natted for p in placed.peers)
         where = (f"{args.peers} peers ({natted} behind a NAT) in regions "
                  f"{', '.join(sorted({p.region for p in placed.peers}))} of a network lab, "
                  f"the trainer in {placed.trainer.region}; uplinks shaped by the kernel: "
                  f"trainer {args.trainer_mbps:g} Mbit/s, peers {args.uplink_mbps:g} Mbit/s")
+    links = Links(trainer=shape_cfg.uplink, peer=args.uplink_mbps * 1e6 / 8, n=args.peers,
+                  same_latency=same, cross_latency=cross)
     say(f"swarm bench e2e: Qwen3-style {shape.params / 1e6:.1f}M params, AdamW lr 1e-6, "
         f"{args.steps} steps, {where}; work dir {work}")
     t0 = time.perf_counter()

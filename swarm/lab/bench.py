@@ -69,9 +69,13 @@ def _spot(lab: Lab, host: Host) -> Spot:
     return Spot(host.name, host.region, host.addr, tuple(lab.command(host, [])), host.natted)
 
 
-def run_e2e(argv: list[str], what: str, timeout: float) -> dict[str, Any]:
-    """Run one benchmark (its output passes through); its figures."""
-    out = Path(argv[argv.index("--json") + 1])
+def budget(args: argparse.Namespace) -> float:
+    """Most seconds one benchmark may run: start-up, then every version's time-out."""
+    return 120.0 + float(args.timeout) * (int(args.steps) + 1)
+
+
+def run_e2e(argv: list[str], out: Path, what: str, timeout: float) -> dict[str, Any]:
+    """Run one benchmark (its output passes through); the figures it wrote to ``out``."""
     try:
         rc = subprocess.run(argv, stdin=subprocess.DEVNULL, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
@@ -93,10 +97,10 @@ def in_lab(args: argparse.Namespace, work: Path, nat_fraction: float, name: str 
         placed = Placement(_spot(lab, trainer), _spot(lab, lab_plan.host("bootstrap")),
                            tuple(_spot(lab, h) for h in lab_plan.peers))
         placed.write(work / f"{name}.placement.json")
-        argv = [*e2e_argv(args, work / name, work / f"{name}.json"),
+        out = work / f"{name}.json"
+        argv = [*e2e_argv(args, work / name, out),
                 "--placement", str(work / f"{name}.placement.json")]
-        budget = 120 + args.timeout * (args.steps + 1)
-        return run_e2e(lab.command(trainer, argv), "in the lab", budget)
+        return run_e2e(lab.command(trainer, argv), out, "in the lab", budget(args))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from swarm.bench.procs import say, workdir
-from swarm.lab.bench import REGIONS, check, e2e_argv, in_lab, run_e2e
+from swarm.lab.bench import REGIONS, budget, check, e2e_argv, in_lab, run_e2e
 from swarm.lab.bench import add_arguments as _bench_arguments
 from swarm.lab.kernel import LabError, check_available
 from swarm.lab.plan import Scenario, plan
@@ -45,15 +45,15 @@ def run(args: argparse.Namespace) -> int:
     kernel: list[dict[str, Any]] = []
     with workdir(args.keep, "swarm-lab-compare-") as work:
         t0 = time.monotonic()
-        budget = 120 + args.timeout * (args.steps + 1)
         for i in range(args.runs):
             of = f" (pair {i + 1} of {args.runs})" if args.runs > 1 else ""
             say(f"shaper{of}: swarm bench e2e on loopback, every process shaping its own "
                 "uplink")
+            out = work / f"shaper{i}.json"
             shaper.append(run_e2e([
-                *e2e_argv(args, work / f"shaper{i}", work / f"shaper{i}.json"),
-                "--wan-latency-ms", "0", "--trainer-region", REGIONS[0],
-                "--peer-regions", ",".join(REGIONS[1:])], "with the in-process shaper", budget))
+                *e2e_argv(args, work / f"shaper{i}", out), "--wan-latency-ms", "0",
+                "--trainer-region", REGIONS[0], "--peer-regions", ",".join(REGIONS[1:])],
+                out, "with the in-process shaper", budget(args)))
             say(f"kernel{of}: the same benchmark in a lab, every peer public, uplinks shaped "
                 "by tbf")
             kernel.append(in_lab(args, work, 0.0, f"kernel{i}"))
