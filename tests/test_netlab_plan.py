@@ -149,3 +149,20 @@ def test_bad_flags_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["lab", "run", "--nat-fraction", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(e.startswith("swarm: error: ") for e in err)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["lab", "compare", "--runs", "0"], "--runs must be 1-20"),
+    (["lab", "bench", "--peers", "0"], "--steps, --peers and --chunk-kib must be at least 1"),
+    (["bench", "e2e", "--placement", "/nonexistent/p.json"], "cannot read placement"),
+    (["bench", "e2e", "--peer-regions", "a b"], "--trainer-region and --peer-regions"),
+])
+def test_the_lab_benchmarks_refuse_bad_input_in_one_line(argv: list[str], message: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "swarm", *argv], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("swarm: error: ") and message in err[0], err
