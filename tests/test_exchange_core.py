@@ -592,3 +592,34 @@ def test_a_neighbour_whose_request_timed_out_does_not_hold_back_the_trainer() ->
     assert now < 2.5  # one 1 s time-out, then the trainer (3 strikes would be > 3 s)
     stored = [e for e in net.events["me"] if isinstance(e, ChunkStored)]
     assert {e.source for e in stored} == {"trainer"}
+
+
+def test_a_chunk_sent_corrupt_is_asked_of_the_trainer_without_waiting_for_a_stall() -> None:
+    """The neighbour that sent a chunk corrupt may have been its only holder (a region's
+    first importer): that chunk comes from the trainer at once, not after
+    ``last_resort_delay`` without progress; the other chunks still wait for it."""
+    spec, chunks = make_object(4)
+    net = Net()
+    trainer = net.add(Exchange("trainer", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    liar = net.add(Exchange("liar", seed=2, config=ExchangeConfig(unchoke_all=True)))
+    me = net.add(Exchange("me", seed=3, config=ExchangeConfig(last_resort_delay=5.0)))
+    for core in (trainer, liar):
+        core.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me.add_object(spec, 0.0)
+    net.corrupt.add("liar")
+    net.link("me", "trainer", 0.0, trainer_b=True)
+    net.link("me", "liar", 0.0)
+    now = 0.0
+    for _ in range(20):
+        net.run(now)
+        t = me.next_timer()
+        if t is None or t >= 1.0:
+            break
+        now = max(t, now + 0.01)
+        me.handle_timer(now)
+    assert any(isinstance(e, PeerBanned) and e.peer == "liar" for e in net.events["me"])
+    # the first corrupt piece got the liar banned; the pieces behind it were dropped
+    first = next(m.index for s, _, m in net.sent if s == "liar" and isinstance(m, Piece))
+    stored = {e.index: e.source for e in net.events["me"] if isinstance(e, ChunkStored)}
+    assert stored == {first: "trainer"}
+    assert me.chunk(spec.obj, first) == chunks[first]

@@ -564,6 +564,7 @@ class Exchange(DownloadSide, UploadSide):
         cid, size = o.spec.chunk_ids[msg.index], o.spec.sizes[msg.index]
         if len(msg.data) != size or not self._verify(cid, msg.data):
             self._drop_inflight(o, msg.index, p.peer)
+            o.poisoned.add(msg.index)
             self._ban(p.peer, f"chunk {msg.index} does not match its BLAKE3 id", now)
             return
         self.bytes_down += size

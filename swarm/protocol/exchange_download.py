@@ -272,7 +272,8 @@ class DownloadSide(ExchangeState):
             # a copy behind that (every peer's last resort firing before the first
             # suggested chunk arrived sent the trainer's payload once per peer).
             return None
-        ready = max(ready, o.last_progress + cfg.last_resort_delay)
+        if idx not in o.poisoned:
+            ready = max(ready, o.last_progress + cfg.last_resort_delay)
         if now >= ready:
             return trainer.peer
         self._set_wake(ready)

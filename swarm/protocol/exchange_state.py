@@ -34,6 +34,10 @@ class ObjectState:
     inflight: dict[int, dict[str, float]] = field(default_factory=dict)
     first_seen: dict[int, float] = field(default_factory=dict)
     suggested: set[int] = field(default_factory=set)
+    poisoned: set[int] = field(default_factory=set)
+    """Chunks a neighbour sent me corrupt (and was banned for): asked of the trainer
+    without waiting for the swarm to stall, as the peer that should have passed them on
+    may have been the only holder."""
     ranks: dict[int, int] = field(default_factory=dict)
     firsts: frozenset[int] | None = None
     """With import ranks from a directory: the chunks I am my region's first importer
