@@ -180,15 +180,22 @@ def test_bad_chunk_bans_the_server_and_goes_elsewhere() -> None:
     assert "bad" not in me.neighbours
 
 
-def test_requests_to_a_silent_peer_time_out_and_go_elsewhere() -> None:
+def _two_seeds_and_me(a: str, b: str, me_config: ExchangeConfig
+                      ) -> tuple[Net, ObjectSpec, list[bytes], Exchange]:
+    """Seeds ``a`` and ``b`` (unchoking everyone) hold a 4-chunk object that ``me``
+    (configured with ``me_config``) lacks; nothing is linked yet."""
     spec, chunks = make_object(4)
     net = Net()
-    a = net.add(Exchange("a", seed=1, config=ExchangeConfig(unchoke_all=True)))
-    b = net.add(Exchange("b", seed=2, config=ExchangeConfig(unchoke_all=True)))
-    me = net.add(Exchange("me", seed=3, config=ExchangeConfig(request_timeout=1.0)))
-    for core in (a, b):
-        core.add_object(spec, 0.0, dict(enumerate(chunks)))
+    for k, name in enumerate((a, b), 1):
+        seed = net.add(Exchange(name, seed=k, config=ExchangeConfig(unchoke_all=True)))
+        seed.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me = net.add(Exchange("me", seed=3, config=me_config))
     me.add_object(spec, 0.0)
+    return net, spec, chunks, me
+
+
+def test_requests_to_a_silent_peer_time_out_and_go_elsewhere() -> None:
+    net, spec, chunks, me = _two_seeds_and_me("a", "b", ExchangeConfig(request_timeout=1.0))
     net.silent.add("a")  # a announces nothing more and never answers
     net.nodes["me"].connect("a", 0.0, rtt=0.01)
     me.receive("a", Bitfield(spec.obj, 4, b"\x0f"), 0.0)
@@ -537,14 +544,9 @@ def test_a_neighbour_that_refuses_an_announced_chunk_is_not_asked_again() -> Non
     """A peer that withdrew an object (it patched the state its keyframe views) rejects
     requests for chunks it announced; the leech then takes them from the trainer instead
     of asking the same neighbour for ever."""
-    spec, chunks = make_object(4)
-    net = Net()
-    trainer = net.add(Exchange("trainer", seed=1, config=ExchangeConfig(unchoke_all=True)))
-    other = net.add(Exchange("other", seed=2, config=ExchangeConfig(unchoke_all=True)))
-    me = net.add(Exchange("me", seed=3, config=ExchangeConfig(last_resort_delay=0.5)))
-    for core in (trainer, other):
-        core.add_object(spec, 0.0, dict(enumerate(chunks)))
-    me.add_object(spec, 0.0)
+    net, spec, chunks, me = _two_seeds_and_me("trainer", "other",
+                                              ExchangeConfig(last_resort_delay=0.5))
+    other = net.nodes["other"]
     net.link("me", "trainer", 0.0, trainer_b=True)
     net.link("me", "other", 0.0)
     other.remove_object(spec.obj)  # after it announced every chunk to me
@@ -598,14 +600,8 @@ def test_a_chunk_sent_corrupt_is_asked_of_the_trainer_without_waiting_for_a_stal
     """The neighbour that sent a chunk corrupt may have been its only holder (a region's
     first importer): that chunk comes from the trainer at once, not after
     ``last_resort_delay`` without progress; the other chunks still wait for it."""
-    spec, chunks = make_object(4)
-    net = Net()
-    trainer = net.add(Exchange("trainer", seed=1, config=ExchangeConfig(unchoke_all=True)))
-    liar = net.add(Exchange("liar", seed=2, config=ExchangeConfig(unchoke_all=True)))
-    me = net.add(Exchange("me", seed=3, config=ExchangeConfig(last_resort_delay=5.0)))
-    for core in (trainer, liar):
-        core.add_object(spec, 0.0, dict(enumerate(chunks)))
-    me.add_object(spec, 0.0)
+    net, spec, chunks, me = _two_seeds_and_me("trainer", "liar",
+                                              ExchangeConfig(last_resort_delay=5.0))
     net.corrupt.add("liar")
     net.link("me", "trainer", 0.0, trainer_b=True)
     net.link("me", "liar", 0.0)
