@@ -128,6 +128,7 @@ class Exchange(DownloadSide, UploadSide):
         self._deadlines: list[tuple[float, float, str, bytes, int]] = []
         self._avg = 1
         self._locals: list[str] | None = None  # same-region neighbours, see _local_peers
+        self._import_s = 0.0
         self._keys: set[int] | None = None
         self._regions: list[str] = []
         self._unchokers: dict[str, PeerState] = {}
@@ -578,6 +579,10 @@ class Exchange(DownloadSide, UploadSide):
         if now > start:
             sample = size / (now - start)
             self._set_rate(p, p.rate + self.config.rate_alpha * (sample - p.rate))
+        if requested is not None and p.region != self.region and not p.trainer:
+            took = now - requested
+            self._import_s = took if not self._import_s else (
+                self._import_s + self.config.rate_alpha * (took - self._import_s))
         if msg.index in o.have:
             self.bytes_wasted += size
             self._drop_inflight(o, msg.index, p.peer)

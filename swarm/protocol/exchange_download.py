@@ -254,9 +254,13 @@ class DownloadSide(ExchangeState):
                 rank = o.ranks[idx] = picker.import_rank(
                     (self._key, self.config.upload_rate or 1.0), idx, o.spec.obj, lacking)
         if best_remote is not None:
-            # give the previous rank time to ask, queue and receive it
+            # give the previous rank time to ask, queue and receive it: over a congested
+            # WAN link that is the time imports have taken here, longer than the
+            # source's rate suggests (several ranks asked at once and every copy slowed
+            # the rest)
             wait = max(cfg.import_delay,
-                       4 * best_remote.rtt + 2 * size / max(best_remote.rate, 1.0))
+                       4 * best_remote.rtt + 2 * size / max(best_remote.rate, 1.0),
+                       1.5 * max(self._import_s, self._importing_for(now)))
         else:
             wait = cfg.import_delay
         ready = o.first_seen.get(idx, o.added_at) + rank * wait
@@ -278,6 +282,15 @@ class DownloadSide(ExchangeState):
             return trainer.peer
         self._set_wake(ready)
         return None
+
+    def _importing_for(self, now: float) -> float:
+        """How long my oldest import still in flight has been waiting (0: none)."""
+        oldest = now
+        region = self.region
+        for q in self._peers.values():
+            if q.out and q.region != region and not q.trainer:
+                oldest = min(oldest, min(q.out.values()))
+        return now - oldest
 
     def _set_wake(self, t: float) -> None:
         if self._wake is None or t < self._wake:

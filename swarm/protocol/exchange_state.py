@@ -127,6 +127,9 @@ class ExchangeState:
     _avg: int
     _locals: list[str] | None
     """Same-region neighbours (see ``_local_peers``); ``None`` until computed."""
+    _import_s: float
+    """Average time from request to arrival of the chunks this node imported from other
+    regions (0: none yet): how long the next import rank should give the one before."""
     _rank_of: ImportRank | None
     """Import ranks over the region's members from a directory (``use_directory``);
     ``None``: over my same-region neighbours."""
