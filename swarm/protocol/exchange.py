@@ -128,6 +128,7 @@ class Exchange(DownloadSide, UploadSide):
         self._deadlines: list[tuple[float, float, str, bytes, int]] = []
         self._avg = 1
         self._locals: list[str] | None = None  # same-region neighbours, see _local_peers
+        self._slow_locals: frozenset[str] = frozenset()
         self._import_s = 0.0
         self._keys: set[int] | None = None
         self._regions: list[str] = []
@@ -200,6 +201,7 @@ class Exchange(DownloadSide, UploadSide):
             o.complete_at = now
         self._objects[spec.obj] = o
         self._avg = max(x.avg_size for x in self._objects.values())
+        self._locals = None  # which region-mates hardly upload depends on _avg
         for q in self._peers.values():
             self._set_rate(q, q.rate)
         for p in self._peers.values():
@@ -427,6 +429,7 @@ class Exchange(DownloadSide, UploadSide):
                         self._out.append((p.peer, Reject(obj, idx)))
                 p.queue = deque(item for item in p.queue if item[0] != obj)
         self._avg = max((x.avg_size for x in self._objects.values()), default=1)
+        self._locals = None
 
     def _may_track(self, p: PeerState, obj: bytes) -> bool:
         """Whether to remember a neighbour's haves of an object we do not exchange (yet):

@@ -55,6 +55,8 @@ class DownloadSide(ExchangeState):
         if self._locals is None:
             self._locals = [p.peer for p in self._peers.values()
                             if p.region == self.region and not p.trainer]
+            self._slow_locals = frozenset(
+                h for h in self._locals if self._hardly_uploads(self._peers[h], self._avg))
         return self._locals
 
     def _pick_one(self, o: ObjectState, idx: int, p: PeerState, now: float) -> None:
@@ -91,6 +93,9 @@ class DownloadSide(ExchangeState):
         peers, region, import_delay = self._peers, self.region, cfg.import_delay
         roomy_local = {h for h in roomy if peers[h].region == region and not peers[h].trainer}
         local_peers = self._local_peers()
+        # a chunk only region-mates that can hardly upload hold is not waited for (see
+        # _usual_source)
+        slow = self._slow_locals
         for o in self._objects.values():
             # super-seeded chunks go first and outside the window: they are few, and
             # the trainer's upload must not wait on a busy downloader
@@ -128,7 +133,9 @@ class DownloadSide(ExchangeState):
                 if idx not in o.suggested:
                     # shortcuts where _choose_source would return None with no effect
                     if o.local[idx]:
-                        if holders.isdisjoint(roomy_local):
+                        if holders.isdisjoint(roomy_local) and (
+                                not slow or any(h not in slow and peers[h].region == region
+                                                and not peers[h].trainer for h in holders)):
                             continue  # in the region, every holder here busy: wait
                     else:
                         rank = o.ranks.get(idx)
@@ -198,7 +205,8 @@ class DownloadSide(ExchangeState):
                       exclude: tuple[str, ...]) -> str | None:
         """The best free holder of ``idx``: a same-region peer by estimated delivery time;
         else, when my import rank's turn has come, a peer in another region; the trainer
-        only for chunks it suggested to me, or when the swarm has stalled without them."""
+        only for chunks it suggested to me, chunks that only region-mates that can hardly
+        upload hold, or when the swarm has stalled without them."""
         cfg = self.config
         size = o.spec.sizes[idx]
         peers, region = self._peers, self.region
@@ -207,11 +215,15 @@ class DownloadSide(ExchangeState):
         local_key = remote_key = (float("inf"), 0, "")
         trainer: PeerState | None = None
         any_local = any_other = False
+        hopeless: PeerState | None = None  # the best free one of those near that
+        slow_near = False  # can hardly upload (see _hardly_uploads) hold it
+        seeded = False  # the trainer holds it (busy or not)
         for h in o.holders[idx]:
             p = peers[h]
             # usable: not excluded and room for a request (see _room)
             usable = not p.choked_us and p.depth > len(p.out) and h not in exclude
             if p.trainer:
+                seeded = True
                 if usable:
                     if idx in o.suggested:
                         return h
@@ -221,6 +233,11 @@ class DownloadSide(ExchangeState):
                 continue  # snubbed: see _choose_source
             any_other = True
             is_local = p.region == region
+            if is_local and self._hardly_uploads(p, size):
+                slow_near = True
+                if usable and (hopeless is None or p.upload > hopeless.upload):
+                    hopeless = p
+                continue
             if not usable:
                 any_local = any_local or is_local
                 continue
@@ -239,6 +256,13 @@ class DownloadSide(ExchangeState):
             return best_local.peer
         if any_local:
             return None  # it is in the region already: wait for a local source to free up
+        if best_remote is None and slow_near:
+            # only hosts that can hardly upload hold it near: each peer here would wait
+            # on them in turn, so the trainer serves it (it then sends about one copy
+            # per such peer, which nothing else could do faster)
+            if trainer is None:
+                return None if seeded or hopeless is None else hopeless.peer
+            return None if self._sending_me_suggested(o, trainer) else trainer.peer
         if best_remote is None and (trainer is None or any_other):
             return None
         # an import into the region: rendezvous rank decides who goes first
@@ -270,11 +294,7 @@ class DownloadSide(ExchangeState):
             self._set_wake(ready)
             return None
         assert trainer is not None
-        if any(obj == o.spec.obj and i in o.suggested for obj, i in trainer.out):
-            # The trainer is still sending me a chunk it suggested: its uplink is what the
-            # swarm waits on, and asking it for one suggested to another peer would queue
-            # a copy behind that (every peer's last resort firing before the first
-            # suggested chunk arrived sent the trainer's payload once per peer).
+        if self._sending_me_suggested(o, trainer):
             return None
         if idx not in o.poisoned:
             ready = max(ready, o.last_progress + cfg.last_resort_delay)
@@ -282,6 +302,22 @@ class DownloadSide(ExchangeState):
             return trainer.peer
         self._set_wake(ready)
         return None
+
+    def _hardly_uploads(self, p: PeerState, size: int) -> bool:
+        """``p`` advertises an upload too slow to deliver a chunk of ``size`` bytes
+        within ``last_resort_delay`` even with no other request queued: it is the last
+        choice of source. (Its advertised capacity, not its measured rate: that one
+        also counts the time requests wait in its queue, and a busy fast neighbour is
+        no reason to go to the trainer.)"""
+        return p.upload > 0 and p.rtt + size / p.upload > self.config.last_resort_delay
+
+    @staticmethod
+    def _sending_me_suggested(o: ObjectState, trainer: PeerState) -> bool:
+        """The trainer is still sending me a chunk of ``o`` it suggested: its uplink is
+        what the swarm waits on, and asking it for one suggested to another peer would
+        queue a copy behind that (every peer's last resort firing before the first
+        suggested chunk arrived sent the trainer's payload once per peer)."""
+        return any(obj == o.spec.obj and i in o.suggested for obj, i in trainer.out)
 
     def _importing_for(self, now: float) -> float:
         """How long my oldest import still in flight has been waiting (0: none)."""
