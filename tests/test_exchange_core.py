@@ -619,3 +619,29 @@ def test_a_chunk_sent_corrupt_is_asked_of_the_trainer_without_waiting_for_a_stal
     stored = {e.index: e.source for e in net.events["me"] if isinstance(e, ChunkStored)}
     assert stored == {first: "trainer"}
     assert me.chunk(spec.obj, first) == chunks[first]
+
+
+@pytest.mark.parametrize(("upload", "source"), [(1_000.0, "trainer"), (1e6, "mate")])
+def test_chunks_only_a_mate_that_can_hardly_upload_holds_come_from_the_trainer(
+        upload: float, source: str) -> None:
+    """A region-mate advertising 1 kB/s could not deliver one 4 kB chunk within
+    ``last_resort_delay``: its chunks are asked of the trainer at once, not after the
+    swarm stalls (5 s here); one advertising 1 MB/s is asked as usual."""
+    net, spec, chunks, me = _two_seeds_and_me("trainer", "mate",
+                                              ExchangeConfig(last_resort_delay=1.0))
+    net.link("me", "trainer", 0.0, trainer_b=True)
+    me.connect("mate", 0.0, rtt=0.01, upload=upload)
+    net.nodes["mate"].connect("me", 0.0, rtt=0.01)
+    now = 0.0
+    for _ in range(20):
+        net.run(now)
+        if me.is_complete(spec.obj):
+            break
+        t = me.next_timer()
+        assert t is not None
+        now = max(t, now + 0.01)
+        me.handle_timer(now)
+    assert me.is_complete(spec.obj) and now < 0.5
+    stored = {e.source for e in net.events["me"] if isinstance(e, ChunkStored)}
+    assert stored == {source}
+    assert all(me.chunk(spec.obj, i) == chunks[i] for i in range(4))
