@@ -57,6 +57,8 @@ class DownloadSide(ExchangeState):
                             if p.region == self.region and not p.trainer]
             self._slow_locals = frozenset(
                 h for h in self._locals if self._hardly_uploads(self._peers[h], self._avg))
+            self._remotes = [p for p in self._peers.values()
+                             if p.region != self.region and not p.trainer]
         return self._locals
 
     def _pick_one(self, o: ObjectState, idx: int, p: PeerState, now: float) -> None:
@@ -215,6 +217,7 @@ class DownloadSide(ExchangeState):
         local_key = remote_key = (float("inf"), 0, "")
         trainer: PeerState | None = None
         any_local = any_other = False
+        slow = self._slow_locals  # of local_peers: callers computed them just now
         hopeless: PeerState | None = None  # the best free one of those near that
         slow_near = False  # can hardly upload (see _hardly_uploads) hold it
         seeded = False  # the trainer holds it (busy or not)
@@ -233,7 +236,7 @@ class DownloadSide(ExchangeState):
                 continue  # snubbed: see _choose_source
             any_other = True
             is_local = p.region == region
-            if is_local and self._hardly_uploads(p, size):
+            if slow and h in slow and is_local:
                 slow_near = True
                 if usable and (hopeless is None or p.upload > hopeless.upload):
                     hopeless = p
@@ -322,9 +325,9 @@ class DownloadSide(ExchangeState):
     def _importing_for(self, now: float) -> float:
         """How long my oldest import still in flight has been waiting (0: none)."""
         oldest = now
-        region = self.region
-        for q in self._peers.values():
-            if q.out and q.region != region and not q.trainer:
+        self._local_peers()  # computes _remotes too
+        for q in self._remotes:
+            if q.out:
                 oldest = min(oldest, min(q.out.values()))
         return now - oldest
 

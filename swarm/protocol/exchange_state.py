@@ -129,6 +129,8 @@ class ExchangeState:
     """Same-region neighbours (see ``_local_peers``); ``None`` until computed."""
     _slow_locals: frozenset[str]
     """Those of them that can hardly upload (computed with ``_locals``)."""
+    _remotes: list[PeerState]
+    """Neighbours in other regions other than the trainer (computed with ``_locals``)."""
     _import_s: float
     """Average time from request to arrival of the chunks this node imported from other
     regions (0: none yet): how long the next import rank should give the one before."""
