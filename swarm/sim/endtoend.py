@@ -190,7 +190,7 @@ def format_end_to_end(e: EndToEnd) -> str:
 
 def plot_end_to_end(runs: list[EndToEnd], path: Any) -> None:
     """Tokens/s and tokens/$ per method, one group of bars per scenario."""
-    from swarm.sim.cli import pyplot
+    from swarm.sim.plots import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
