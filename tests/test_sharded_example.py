@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from swarmproc import SwarmProc
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow, pytest.mark.long]
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sharded_trainer.py"
 
 

@@ -22,7 +22,7 @@ from swarm.delta.pipeline import EncoderConfig, encode_delta_sync
 from swarm.delta.state import piece_ids_of_state, state_root_of
 from swarm.identity import Identity
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.long]
 
 
 def _load(out: Path, name: str = "record.pt") -> dict[str, Any]:

@@ -30,7 +30,7 @@ from swarm.roles.peer import PeerConfig, RolloutPeer
 from swarm.roles.seeder import SeederConfig, SeederNode
 from swarm.roles.trainer import TrainerConfig, TrainerNode
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.long]
 
 PIECE = 4096
 
