@@ -236,7 +236,7 @@ class DownloadSide(ExchangeState):
                 continue  # snubbed: see _choose_source
             any_other = True
             is_local = p.region == region
-            if slow and h in slow and is_local:
+            if slow and h in slow:  # (a region-mate: slow holds only those)
                 slow_near = True
                 if usable and (hopeless is None or p.upload > hopeless.upload):
                     hopeless = p
