@@ -43,7 +43,7 @@ def one_error_line(out: subprocess.CompletedProcess[str], *needles: str) -> None
 
 
 @pytest.mark.parametrize("case", ["listen", "data-file", "bootstrap", "trainer",
-                                  "bootstrap-no-id", "budget"])
+                                  "bootstrap-no-id", "budget", "upload"])
 def test_bad_input_is_one_error_line(tmp_path: Path, case: str) -> None:
     (tmp_path / "afile").write_text("x")
     good_boot = f"/ip4/127.0.0.1/tcp/1/p2p/{OTHER_ID}"
@@ -54,6 +54,7 @@ def test_bad_input_is_one_error_line(tmp_path: Path, case: str) -> None:
         "bootstrap-no-id": (["--bootstrap", "/ip4/127.0.0.1/tcp/4001"], "/p2p/PEER_ID"),
         "trainer": (["--trainer", "12D3KooWnotanid"], "--trainer '12D3KooWnotanid'"),
         "budget": (["--buffer-budget-mib", "4"], "--buffer-budget-mib 4"),
+        "upload": (["--upload-mbps", "-5"], "--upload-mbps -5: must be 0 to"),
     }[case]
     base = {"--bootstrap": good_boot, "--trainer": OTHER_ID, "--data-dir": "p",
             "--listen": "/ip4/127.0.0.1/tcp/0"}

@@ -60,10 +60,11 @@ class Net:
         return core
 
     def link(self, a: str, b: str, now: float, *, trainer_a: bool = False,
-             trainer_b: bool = False, same_region: bool = True) -> None:
+             trainer_b: bool = False, same_region: bool = True, upload_b: float = 0.0
+             ) -> None:
         ra = self.nodes[a].region
         rb = self.nodes[b].region if same_region else "elsewhere"
-        self.nodes[a].connect(b, now, region=rb, rtt=0.01, trainer=trainer_b)
+        self.nodes[a].connect(b, now, region=rb, rtt=0.01, trainer=trainer_b, upload=upload_b)
         self.nodes[b].connect(a, now, region=ra, rtt=0.01, trainer=trainer_a)
 
     def run(self, now: float, rounds: int = 500) -> None:
@@ -621,15 +622,19 @@ def test_a_chunk_sent_corrupt_is_asked_of_the_trainer_without_waiting_for_a_stal
     assert me.chunk(spec.obj, first) == chunks[first]
 
 
-@pytest.mark.parametrize(("upload", "source"), [(1_000.0, "trainer"), (1e6, "mate")])
+@pytest.mark.parametrize(("upload", "trainer_upload", "source"), [
+    (1_000.0, 1e8, "trainer"), (1e6, 1e8, "mate"), (1_000.0, 0.0, "mate"),
+    (1_000.0, 2_000.0, "mate")])
 def test_chunks_only_a_mate_that_can_hardly_upload_holds_come_from_the_trainer(
-        upload: float, source: str) -> None:
+        upload: float, trainer_upload: float, source: str) -> None:
     """A region-mate advertising 1 kB/s could not deliver one 4 kB chunk within
-    ``last_resort_delay``: its chunks are asked of the trainer at once, not after the
-    swarm stalls (5 s here); one advertising 1 MB/s is asked as usual."""
+    ``last_resort_delay``, and a trainer advertising 100 MB/s serves each of the two
+    peers here far faster: the mate's chunks are asked of the trainer at once, not
+    after the swarm stalls (5 s here). A mate advertising 1 MB/s is asked as usual, and
+    so is the slow one when the trainer's uplink is unknown or no faster per peer."""
     net, spec, chunks, me = _two_seeds_and_me("trainer", "mate",
                                               ExchangeConfig(last_resort_delay=1.0))
-    net.link("me", "trainer", 0.0, trainer_b=True)
+    net.link("me", "trainer", 0.0, trainer_b=True, upload_b=trainer_upload)
     me.connect("mate", 0.0, rtt=0.01, upload=upload)
     net.nodes["mate"].connect("me", 0.0, rtt=0.01)
     now = 0.0

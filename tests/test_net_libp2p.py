@@ -103,6 +103,17 @@ async def test_dialing_an_address_with_the_wrong_peer_id_fails_clearly() -> None
         assert await b.connect(a.listen_addresses[0]) == a.peer_id
 
 
+async def test_a_dialed_peers_region_and_uplink_are_known_once_connected() -> None:
+    """With no run (no peers topic), the dialer learns what a peer advertises from the
+    signed metadata it fetches to connect: the exchange then knows that neighbour's
+    region and uplink (a thin one is asked last) from its first message on."""
+    async with Libp2pNode(ident(1), NodeConfig(region="eu", upload=1_250_000)) as a, \
+            Libp2pNode(ident(2)) as b:
+        assert await b.connect(a.listen_addresses[0]) == a.peer_id
+        meta = b.directory()[a.peer_id]
+        assert (meta.region, meta.bandwidth) == ("eu", 1_250_000)
+
+
 async def test_fallback_to_libp2p_streams_when_the_direct_port_is_closed() -> None:
     dead = f"127.0.0.1:{closed_port()}"
     async with (

@@ -39,6 +39,9 @@ def add_node_arguments(p: argparse.ArgumentParser, *, default_port: int = 0) -> 
                    help="serve Prometheus metrics on 127.0.0.1:PORT")
     p.add_argument("--uplink-mbps", type=float, default=0.0,
                    help="emulate an uplink of this many Mbit/s (0: unshaped)")
+    p.add_argument("--upload-mbps", type=float, default=None, metavar="MBPS",
+                   help="your uplink in Mbit/s, told to other peers: one that cannot carry "
+                        "a chunk in time is asked last (default: --uplink-mbps, else unknown)")
     p.add_argument("--wan-latency-ms", type=float, default=50.0,
                    help="with --uplink-mbps: one-way latency to other regions")
     p.add_argument("--no-relay", action="store_true",
@@ -80,6 +83,10 @@ async def shaped(node: Libp2pNode, args: argparse.Namespace) -> AsyncIterator[Ne
     cfg = wan(args.uplink_mbps * 1e6 / 8, args.wan_latency_ms / 1000)
     async with ShapedNetwork(node, cfg, args.region, region_of) as net:
         yield net
+
+
+#: The largest uplink a flag takes (1 Tbit/s).
+MAX_MBPS = 1e6
 
 
 class UsageError(SwarmError):
@@ -153,6 +160,11 @@ def check_node_args(args: argparse.Namespace) -> None:
     if not 17 <= budget <= 1 << 20:
         raise UsageError(f"--buffer-budget-mib {budget}: must be 17 to 1048576 (it holds at "
                          "least one largest frame, 16 MiB)")
+    for flag in ("uplink_mbps", "upload_mbps"):
+        value = getattr(args, flag, None)
+        if value is not None and not 0 <= value <= MAX_MBPS:
+            raise UsageError(f"--{flag.replace('_', '-')} {value:g}: must be 0 to {MAX_MBPS:g} "
+                             "Mbit/s")
     if args.key is not None and args.key.exists() and not args.key.is_file():
         raise UsageError(f"--key {args.key} is not a file")
     if getattr(args, "relay", False):
@@ -192,7 +204,10 @@ def node_config(args: argparse.Namespace, **extra: Any) -> NodeConfig:
         extra.setdefault("relay", RelayConfig(
             host="", port=args.relay_port, max_circuits=args.relay_max_circuits,
             circuit_bytes=args.relay_circuit_mib << 20, rate=args.relay_mbps * 1e6 / 8))
-    return NodeConfig(listen=args.listen, run=args.run, region=args.region, **extra)
+    told: float | None = getattr(args, "upload_mbps", None)
+    mbps = float(getattr(args, "uplink_mbps", 0.0)) if told is None else told
+    return NodeConfig(listen=args.listen, run=args.run, region=args.region,
+                      upload=int(mbps * 1e6 / 8), **extra)
 
 
 def load_identity(args: argparse.Namespace) -> Identity:

@@ -90,7 +90,7 @@ class PeerDirectory:
             await stream.close()
 
     def peers(self) -> dict[str, topics.PeerMetadata]:
-        """Peers learned from the run's peers topic (latest metadata of each)."""
+        """Peers learned from the run's peers topic or their served metadata (latest of each)."""
         return dict(self._peers)
 
     async def collect(self, sub: Subscription) -> None:
@@ -101,11 +101,15 @@ class PeerDirectory:
             except TransportClosed:
                 return
             env = topics.SignedEnvelope.open(sub.topic, msg.data)
-            meta = topics.PeerMetadata.decode(env.body)
-            old = self._peers.get(msg.source)
-            fresh = old is None or old.time_ms <= meta.time_ms
-            if fresh and (old is not None or len(self._peers) < MAX_DIRECTORY):
-                self._peers[msg.source] = meta
+            self.learn(msg.source, topics.PeerMetadata.decode(env.body))
+
+    def learn(self, peer: str, meta: topics.PeerMetadata) -> None:
+        """Remember ``meta``, checked as signed by ``peer``, unless older than what is
+        known of it (or the directory is full and ``peer`` new to it)."""
+        old = self._peers.get(peer)
+        fresh = old is None or old.time_ms <= meta.time_ms
+        if fresh and (old is not None or len(self._peers) < MAX_DIRECTORY):
+            self._peers[peer] = meta
 
     async def publish_every(self, publish: Callable[[str, bytes], Awaitable[None]],
                             topic: str, interval: float) -> None:

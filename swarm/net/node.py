@@ -101,6 +101,9 @@ class NodeConfig:
     data_plane_advertise: str = ""
     #: Free-form region label published in the metadata.
     region: str = ""
+    #: Uplink in bytes per second published in the metadata (0: unknown): peers ask a
+    #: node whose uplink cannot carry a chunk in time last.
+    upload: int = 0
     #: Seconds between metadata publications (when ``run`` is set).
     metadata_interval: float = 5.0
     #: Ask the first bootstrap node that answers to dial this node back
@@ -194,6 +197,7 @@ class Libp2pNode:
             identity, region=self.config.region, advertise=self.config.data_plane_advertise,
             addresses=self._advertised_addresses, data_address=self._advertised_data,
             relay=lambda: "" if self._relay is None else self._relay.hostport)
+        self._directory.update(bandwidth=self.config.upload)
         self._tasks: set[asyncio.Task[None]] = set()
         self._entered = False
         self._closed = False
@@ -479,6 +483,7 @@ class Libp2pNode:
             try:
                 async with asyncio.timeout(timeout):
                     meta = await guest.run(self._fetch_meta, peer, timeout)
+                self._directory.learn(peer, meta)
             except (BridgeClosed, TransportClosed):
                 raise
             except (DecodeError, SignatureError) as exc:
@@ -754,7 +759,7 @@ class Libp2pNode:
             raise PeerUnreachable(f"no card from {peer}: {exc!r}") from exc
 
     def directory(self) -> dict[str, topics.PeerMetadata]:
-        """Peers learned from the run's peers topic (latest metadata of each)."""
+        """Peers learned from the run's peers topic or their served metadata (latest of each)."""
         return self._directory.peers()
 
     async def _join_run(self, run: str) -> None:

@@ -110,12 +110,18 @@ class NodeBase:
                   "connected" if ev.connected else "gone", ev.reason or ev.path)
         self.on_peer(ev.peer_id, ev.connected)
 
-    def region_of(self, peer: str) -> str:
+    def driver_connected(self, peer: str, *, trainer: bool = False) -> None:
+        """Tell the exchange ``peer`` is reachable, with the region and uplink its
+        metadata advertises (none yet: no region, upload unknown)."""
         meta = self.net.directory().get(peer)
-        return "" if meta is None else str(meta.region)
+        if meta is None:
+            self.driver.connected(peer, trainer=trainer)
+        else:
+            self.driver.connected(peer, region=str(meta.region), trainer=trainer,
+                                  upload=float(meta.bandwidth))
 
     def on_peer(self, peer: str, connected: bool) -> None:
         if connected:
-            self.driver.connected(peer, region=self.region_of(peer))
+            self.driver_connected(peer)
         else:
             self.driver.disconnected(peer)

@@ -137,13 +137,16 @@ class ExchangeDriver:
         self._pump()
 
     def connected(self, peer: str, *, region: str = "", rtt: float = 0.05,
-                  trainer: bool = False) -> None:
+                  trainer: bool = False, upload: float = 0.0) -> None:
+        """``peer`` is reachable: ``region`` and ``upload`` (bytes per second, 0 if
+        unknown) are what its metadata advertises."""
         if peer in self._links:
             return
         link = _Link()
         self._links[peer] = link
         link.task = asyncio.create_task(self._sender(peer, link), name=f"send {peer[-6:]}")
-        self.exchange.connect(peer, self.now(), region=region, rtt=rtt, trainer=trainer)
+        self.exchange.connect(peer, self.now(), region=region, rtt=rtt, trainer=trainer,
+                              upload=upload)
         self._pump()
 
     def set_trainer(self, peer: str, trainer: bool) -> None:

@@ -239,8 +239,7 @@ class RolloutPeer(NodeBase):
 
     def on_peer(self, peer: str, connected: bool) -> None:
         if connected:
-            self.driver.connected(peer, region=self.region_of(peer),
-                                  trainer=peer == self.config.trainer
+            self.driver_connected(peer, trainer=peer == self.config.trainer
                                   or peer in self.discovery.seeders)
             if peer == self.config.trainer:
                 self.follower.trainer_connected(self.clock.now())
