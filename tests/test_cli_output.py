@@ -137,9 +137,11 @@ def test_trainer_and_peer_print_progress_and_a_gone_trainer(tmp_path: Path) -> N
         assert trainer.out[0] == f"trainer {tid}"
         assert trainer.out[1].startswith("listening on /ip4/127.0.0.1/tcp/")
         peer = Lines(["peer", *cmd[cmd.index("--bootstrap"):], "--data-dir", "p",
-                      "--warn-after", "2", "--trainer-timeout", "8"], tmp_path)
+                      "--warn-after", "2", "--trainer-timeout", "8", "--upload-mbps", "40"],
+                     tmp_path)
         with started(peer):
-            peer.wait_line("out", f"following trainer {tid}", 60)
+            line = peer.wait_line("out", f"following trainer {tid}", 60)
+            assert line.endswith("; advertising a 40 Mbit/s uplink")
             line = peer.wait_line("out", "version 2 verified", 120)
             assert "down" in line and "from the trainer" in line and "leases" in line
             trainer.wait_line("out", "step 2 published:", 10)

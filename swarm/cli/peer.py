@@ -131,9 +131,12 @@ async def _main(args: argparse.Namespace) -> int:
             shaped(raw, args) as net:
         seen_as = raw.reach.observed if raw.reach is not None else None
         report.emit("ready", addr=raw.listen_addresses[0], peer_id=identity.peer_id,
-                    region=args.region, reachability=raw.reachability, seen_as=seen_as)
+                    region=args.region, reachability=raw.reachability, seen_as=seen_as,
+                    upload_bps=net_cfg.upload)
         report.say(f"peer {identity.peer_id} listening on {raw.listen_addresses[0]}; "
-                   f"following trainer {args.trainer}")
+                   f"following trainer {args.trainer}"
+                   + (f"; advertising a {net_cfg.upload * 8 / 1e6:g} Mbit/s uplink"
+                      if net_cfg.upload else ""))
         if raw.reachability == "private":
             relayed = raw.traversal.addresses()
             report.say(f"not reachable from outside (the bootstrap sees us as {seen_as} and "
