@@ -61,6 +61,14 @@ def test_lower_bound_names_the_binding_term() -> None:
     assert lb.terms["total_upload"] == pytest.approx(1.0)
     assert lb.terms["wan_cut:b"] == pytest.approx(10.0)
     assert lb.binding == "wan_cut:b" and lb.seconds == pytest.approx(10.0)
+    # counting propagation: node 1's 5 s download starts after 1 ms
+    assert lb.latency_s == pytest.approx(5.001) and lb.with_latency == lb.seconds
+    far = Topology(topo.up, topo.down, topo.region, topo.wan, ((0.001, 0.5), (0.5, 0.001)))
+    fast = Topology(far.up, (100.0, 100.0, 2.0), far.region, far.wan, far.latency)
+    assert lower_bound(fast, [1, 2], 10.0, ("a", "b")).with_latency == pytest.approx(10.0)
+    slow = Topology(far.up, (100.0, 100.0, 0.5), far.region, far.wan, far.latency)
+    # node 2 is 0.5 s away and downloads 10 bytes in 20 s
+    assert lower_bound(slow, [1, 2], 10.0, ("a", "b")).with_latency == pytest.approx(20.5)
 
 
 def test_goals_hold_at_a_smaller_size() -> None:

@@ -8,6 +8,11 @@ must receive ``F`` across the links into it, so ``T >= F / sum_a wan[a][r]``.
 A trainer on several hosts, each holding a share of the bytes: the source term is the
 slowest host's share over its upload, every host's upload adds to the total, and a
 region receives across the WAN what its own hosts do not hold.
+
+These are fluid bounds: bytes move at once. Counting propagation as well, no byte reaches
+peer ``i`` before the one-way latency ``L_i`` from the nearest host, so
+``T >= max_i (L_i + F/d_i)`` too (:attr:`LowerBound.latency_s`), which splits what
+physics costs from what the protocol does.
 """
 
 from __future__ import annotations
@@ -22,10 +27,18 @@ class LowerBound:
     terms: dict[str, float]
     """Each term, in seconds: ``source``, ``slowest_download``, ``total_upload``, and
     ``wan_cut:<region>`` per region."""
+    latency_s: float = 0.0
+    """The slowest download started after the one-way latency from the nearest host."""
 
     @property
     def seconds(self) -> float:
         return max(self.terms.values())
+
+    @property
+    def with_latency(self) -> float:
+        """The bound counting propagation: the larger of :attr:`seconds` and
+        :attr:`latency_s`."""
+        return max(self.seconds, self.latency_s)
 
     @property
     def binding(self) -> str:
@@ -52,4 +65,6 @@ def lower_bound(topo: Topology, peers: list[int], nbytes: float,
             continue
         cap = sum(topo.wan[a][r] for a in range(topo.n_regions) if a != r)
         terms[f"wan_cut:{region_names[r]}"] = inbound / cap
-    return LowerBound(terms)
+    lat = max(min(topo.latency[topo.region[h]][topo.region[i]] for h in shares)
+              + nbytes / topo.down[i] for i in peers)
+    return LowerBound(terms, lat)

@@ -67,6 +67,7 @@ class StepReport:
             "lower_bound_s": self.bound.seconds,
             "lower_bound_binds": self.bound.binding,
             "lower_bound_terms": self.bound.terms,
+            "latency_bound_s": self.bound.with_latency,
             "trainer_hosts": len(self.swarm.host_egress),
             "trainer_egress_bytes": self.swarm.trainer_egress,
             "host_egress_bytes": self.swarm.host_egress,
@@ -74,6 +75,8 @@ class StepReport:
             "methods": [asdict(r) for r in self.rows],
             "swarm": {
                 "completion_s": self.swarm.completion_s,
+                "ratio_to_latency_bound": self.swarm_row.completion_s / self.bound.with_latency
+                if self.bound.with_latency else 0.0,
                 "bit_exact": self.swarm.bit_exact,
                 "honest_done": self.swarm.honest_done,
                 "honest_total": self.swarm.honest_total,
@@ -128,7 +131,8 @@ def format_step(rep: StepReport, regions: tuple[str, ...]) -> str:
     lines = [
         f"step {rep.step}: {rep.peers} peers, payload {rep.payload_bytes / 1e6:.1f} MB; "
         f"lower bound {rep.bound.seconds:.3f} s (binds: {rep.bound.binding}; "
-        + ", ".join(f"{k} {v:.3f}" for k, v in rep.bound.terms.items()) + ")",
+        + ", ".join(f"{k} {v:.3f}" for k, v in rep.bound.terms.items())
+        + f"); counting one-way latency {rep.bound.with_latency:.3f} s",
         f"  {'method':<22} {'time s':>9} {'x bound':>8} {'egress/payload':>15} "
         f"{'exposed s':>10}  cross-region in / payload ("
         + ", ".join(regions) + ")",
@@ -149,6 +153,9 @@ def format_step(rep: StepReport, regions: tuple[str, ...]) -> str:
                  f"{s.bit_exact}, bans {len(s.bans)}, time-outs {s.timeouts}, duplicate "
                  f"bytes {s.wasted_bytes / 1e6:.1f} MB, {s.events} events in "
                  f"{s.wall_s:.1f} s wall")
+    if rep.bound.with_latency:
+        lines.append(f"  swarm: {rep.swarm_row.completion_s / rep.bound.with_latency:.2f}x "
+                     "the bound counting one-way latency (the rest is the protocol's)")
     for goal, ok in rep.goals().items():
         lines.append(f"  goal {'MET ' if ok else 'MISS'}  {goal}")
     return "\n".join(lines)
