@@ -109,7 +109,7 @@ async def test_silent_connection_is_dropped_after_the_handshake_timeout() -> Non
     async with DirectTransport(VICTIM, CFG) as victim:
         async with raw(port_of(victim)) as (reader, _):
             assert await closed_by_peer(reader, within=10)
-        assert len(victim.plane._conns_all) == 0
+        assert len(victim.plane.conns_all) == 0
 
 
 async def test_authenticated_peer_sending_an_oversized_frame_is_dropped_and_scored() -> None:
@@ -167,7 +167,7 @@ async def test_hundreds_of_connections_are_bounded_and_others_are_served() -> No
             conns = [await stack.enter_async_context(raw(port_of(victim)))
                      for _ in range(200)]
             await asyncio.sleep(0.1)
-            assert len(victim.plane._conns_all) <= CFG.max_connections
+            assert len(victim.plane.conns_all) <= CFG.max_connections
             await still_serves(victim, honest)
             closed = await asyncio.gather(*(closed_by_peer(r, within=10) for r, _ in conns))
             assert all(closed)

@@ -34,7 +34,8 @@ from swarm.net.relay_msgs import Msg, circuit_address, parse_circuit, split_host
 from swarm.net.transport import PeerIdMismatch, PeerUnreachable
 
 if TYPE_CHECKING:
-    from swarm.net.dataplane import DataPlane, _Connection
+    from swarm.net.connection import Connection
+    from swarm.net.dataplane import DataPlane
     from swarm.net.topics import PeerMetadata
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class Traversal:
             self._spawn(self._punch(plane, relayed, local, seen, client=True), "hole punch")
         return target.peer_id
 
-    async def _punch(self, plane: DataPlane, relayed: _Connection, local: tuple[str, int],
+    async def _punch(self, plane: DataPlane, relayed: Connection, local: tuple[str, int],
                      seen: str, *, client: bool) -> None:
         try:
             remote = split_hostport(seen)
