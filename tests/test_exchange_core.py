@@ -650,3 +650,28 @@ def test_chunks_only_a_mate_that_can_hardly_upload_holds_come_from_the_trainer(
     stored = {e.source for e in net.events["me"] if isinstance(e, ChunkStored)}
     assert stored == {source}
     assert all(me.chunk(spec.obj, i) == chunks[i] for i in range(4))
+
+
+@pytest.mark.parametrize("by_upload", [False, True])
+def test_a_mate_claiming_a_huge_upload_does_not_take_every_import(by_upload: bool) -> None:
+    """Real nodes rank region-mates alike (an advertised upload is unchecked): a mate
+    claiming 1 TB/s does not become every chunk's first importer, so I import about half
+    of the chunks at once. Weighed by upload (the simulator's setting, where uploads are
+    true) it would rank first for them all, and I would wait on it for each."""
+    spec, chunks = make_object(16)
+    net = Net()
+    far = net.add(Exchange("far", region="far", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    far.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me = net.add(Exchange("me", seed=2, config=ExchangeConfig(rank_by_upload=by_upload)))
+    me.add_object(spec, 0.0)
+    net.add(Exchange("liar", seed=3)).add_object(spec, 0.0)
+    me.connect("liar", 0.0, rtt=0.01, upload=1e12)
+    net.nodes["liar"].connect("me", 0.0, rtt=0.01)
+    net.link("me", "far", 0.0, same_region=False)
+    net.run(0.0)
+    asked = {m.index for src, dst, m in net.sent
+             if src == "me" and dst == "far" and isinstance(m, Request)}
+    if by_upload:
+        assert not asked
+    else:
+        assert 4 <= len(asked) <= 12

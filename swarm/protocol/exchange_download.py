@@ -280,10 +280,11 @@ class DownloadSide(ExchangeState):
             else:
                 # no local neighbour holds idx here, so this set only changes with
                 # neighbours
-                lacking = [(self._peers[q].key, self._peers[q].upload or 1.0)
+                weight = self._rank_weight
+                lacking = [(self._peers[q].key, weight(self._peers[q].upload))
                            for q in local_peers]
                 rank = o.ranks[idx] = picker.import_rank(
-                    (self._key, self.config.upload_rate or 1.0), idx, o.spec.obj, lacking)
+                    (self._key, weight(self.config.upload_rate)), idx, o.spec.obj, lacking)
         if best_remote is not None:
             # give the previous rank time to ask, queue and receive it: over a congested
             # WAN link that is the time imports have taken here, longer than the

@@ -151,6 +151,10 @@ class ExchangeState:
     def _is_local(self, p: PeerState) -> bool:
         return p.region == self.region and not p.trainer
 
+    def _rank_weight(self, upload: float) -> float:
+        """A node's weight in import ranks (see ``ExchangeConfig.rank_by_upload``)."""
+        return (upload or 1.0) if self.config.rank_by_upload else 1.0
+
     def _drop_holder(self, o: ObjectState, idx: int, p: PeerState) -> None:
         """``p`` refused, or did not serve in time, a chunk it announced (it dropped the
         object, say: a peer stops serving old versions as it moves on): ask others, or the

@@ -84,7 +84,14 @@ class ExchangeConfig:
     """This node's download capacity, as far as it knows; sizes the in-flight window."""
     upload_rate: float = 0.0
     """This node's upload capacity as it advertises it (0: unknown); weighs its share of
-    imports into its region (neighbours pass theirs to :meth:`Exchange.connect`)."""
+    imports into its region with ``rank_by_upload`` (neighbours pass theirs to
+    :meth:`Exchange.connect`)."""
+    rank_by_upload: bool = False
+    """Weigh import ranks (and the trainer's choice of each region's first importer) by
+    advertised uploads. For the simulator, where every node's upload is known and true;
+    real nodes rank every region-mate alike, since an advertised upload is unchecked: one
+    claiming a large one, or the one advertising any among region-mates that advertise
+    none, would rank first for nearly every chunk and have its region wait on it."""
     inflight_window: float = 0.25
     """Seconds of ``download_rate`` kept requested (at least four chunks)."""
     initial_rate: float = 20e6

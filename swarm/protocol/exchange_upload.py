@@ -174,7 +174,7 @@ class UploadSide(ExchangeState):
         if key not in o.importers and self._importer_of is not None:
             o.importers[key] = self._importer_of(p.region, o.spec.obj, idx)
         elif key not in o.importers:
-            members = [(q.key, q.upload or 1.0) for q in self._peers.values()
+            members = [(q.key, self._rank_weight(q.upload)) for q in self._peers.values()
                        if q.region == p.region and not q.trainer]
             o.importers[key] = picker.importer(idx, o.spec.obj, members)
         return o.importers[key]

@@ -180,7 +180,8 @@ class SwarmSim:
         if i < self.hosts:
             # a host seeds its own share and fetches no other: a sharded trainer's hosts
             # need none of each other's chunks, so they are not linked to each other
-            cfg = dataclasses.replace(self.trainer_config, fetch=False, broadcast_haves=True)
+            cfg = dataclasses.replace(self.trainer_config, fetch=False, broadcast_haves=True,
+                                      rank_by_upload=True)
         else:
             # a node knows its own link: it sizes its in-flight window by its download and
             # its upload slots by its upload (about 12.5 MB/s per slot)
@@ -191,7 +192,8 @@ class SwarmSim:
                 self.config, download_rate=self.topo.down[i], upload_rate=self.topo.up[i],
                 upload_slots=slots,
                 remote_slots=max(1, min(self.config.remote_slots, slots // 3)),
-                unchoke_remote=self.directory is not None, broadcast_haves=True)
+                unchoke_remote=self.directory is not None, broadcast_haves=True,
+                rank_by_upload=True)
         region = self.pop.scenario.regions[self.topo.region[i]]
         core = Exchange(self._names[i], region=region, config=cfg, seed=self.seed + i,
                         now=self.now, verifier=self._verify)
