@@ -280,7 +280,8 @@ class Libp2pNode:
                 host.set_stream_handler(TProtocol(META_PROTOCOL), self._directory.serve)
                 host.set_stream_handler(TProtocol(CARD_PROTOCOL), self._card.serve)
                 host.set_stream_handler(TProtocol(REACH_PROTOCOL), self._reach_server.serve)
-                host.get_network().register_notifee(cast("INotifee", Notifee(self)))
+                host.get_network().register_notifee(cast("INotifee", Notifee(
+                    self._sockets, self._scores, self._hang_up, self._on_libp2p_disconnected)))
                 self._host = host
                 try:
                     async with trio.open_nursery() as nursery:

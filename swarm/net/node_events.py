@@ -4,23 +4,30 @@ peers, track sockets and lost connections."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from swarm.net import libp2p_compat as compat
+from swarm.protocol.scoring import PeerScores
 
 if TYPE_CHECKING:
     from libp2p.abc import INetConn
-
-    from swarm.net.node import Libp2pNode
 
 logger = logging.getLogger(__name__)
 
 
 class Notifee:
-    """libp2p network notifications: gate banned peers, track lost connections."""
+    """libp2p network notifications: gate banned peers, track lost connections.
 
-    def __init__(self, node: Libp2pNode) -> None:
-        self.node = node
+    ``hang_up(peer, reason)`` closes a peer's connections; ``lost(peer)`` is told when a
+    libp2p connection to ``peer`` is gone."""
+
+    def __init__(self, sockets: compat.SocketTracker, scores: PeerScores,
+                 hang_up: Callable[[str, str], None], lost: Callable[[str], None]) -> None:
+        self.sockets = sockets
+        self.scores = scores
+        self.hang_up = hang_up
+        self.lost = lost
 
     async def opened_stream(self, network: Any, stream: Any) -> None:
         return None
@@ -29,15 +36,15 @@ class Notifee:
         return None
 
     async def connected(self, network: Any, conn: INetConn) -> None:
-        self.node._sockets.opened(conn)
+        self.sockets.opened(conn)
         peer = compat.peer_str(conn.muxed_conn.peer_id)
-        if self.node._scores.is_banned(peer):
+        if self.scores.is_banned(peer):
             logger.info("refusing banned peer %s", peer)
-            self.node._hang_up(peer, "banned")
+            self.hang_up(peer, "banned")
 
     async def disconnected(self, network: Any, conn: INetConn) -> None:
-        await self.node._sockets.closed(conn)
-        self.node._on_libp2p_disconnected(compat.peer_str(conn.muxed_conn.peer_id))
+        await self.sockets.closed(conn)
+        self.lost(compat.peer_str(conn.muxed_conn.peer_id))
 
     async def listen(self, network: Any, multiaddr: Any) -> None:
         return None
