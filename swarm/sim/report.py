@@ -49,6 +49,12 @@ class StepReport:
         """Each trainer host's egress in payloads."""
         return [b / self.payload_bytes for b in self.swarm.host_egress]
 
+    @property
+    def ratio_to_latency_bound(self) -> float:
+        """The swarm's time over the bound counting one-way latency (0: no bound)."""
+        b = self.bound.with_latency
+        return self.swarm_row.completion_s / b if b else 0.0
+
     def goals(self) -> dict[str, bool]:
         row = self.swarm_row
         return {
@@ -75,8 +81,7 @@ class StepReport:
             "methods": [asdict(r) for r in self.rows],
             "swarm": {
                 "completion_s": self.swarm.completion_s,
-                "ratio_to_latency_bound": self.swarm_row.completion_s / self.bound.with_latency
-                if self.bound.with_latency else 0.0,
+                "ratio_to_latency_bound": self.ratio_to_latency_bound,
                 "bit_exact": self.swarm.bit_exact,
                 "honest_done": self.swarm.honest_done,
                 "honest_total": self.swarm.honest_total,
@@ -153,8 +158,8 @@ def format_step(rep: StepReport, regions: tuple[str, ...]) -> str:
                  f"{s.bit_exact}, bans {len(s.bans)}, time-outs {s.timeouts}, duplicate "
                  f"bytes {s.wasted_bytes / 1e6:.1f} MB, {s.events} events in "
                  f"{s.wall_s:.1f} s wall")
-    if rep.bound.with_latency:
-        lines.append(f"  swarm: {rep.swarm_row.completion_s / rep.bound.with_latency:.2f}x "
+    if rep.ratio_to_latency_bound:
+        lines.append(f"  swarm: {rep.ratio_to_latency_bound:.2f}x "
                      "the bound counting one-way latency (the rest is the protocol's)")
     for goal, ok in rep.goals().items():
         lines.append(f"  goal {'MET ' if ok else 'MISS'}  {goal}")
