@@ -675,3 +675,34 @@ def test_a_mate_claiming_a_huge_upload_does_not_take_every_import(by_upload: boo
         assert not asked
     else:
         assert 4 <= len(asked) <= 12
+
+
+@pytest.mark.parametrize("described", [False, True])
+def test_a_mate_whose_region_comes_after_the_connection_shares_the_imports(
+        described: bool) -> None:
+    """A neighbour's region may come after the connection (a dialled node learns of its
+    dialler from the peers topic). Told then (``describe``), I count it as a
+    region-mate: it imports about half of the chunks, so I ask the far seed for the
+    others only. Left without a region, it looks remote and I import every chunk."""
+    spec, chunks = make_object(16)
+    net = Net()
+    far = net.add(Exchange("far", region="far", seed=1, config=ExchangeConfig(unchoke_all=True)))
+    far.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me = net.add(Exchange("me", region="eu", seed=2))
+    me.add_object(spec, 0.0)
+    net.add(Exchange("mate", region="eu", seed=3)).add_object(spec, 0.0)
+    me.connect("mate", 0.0, rtt=0.01)
+    net.nodes["mate"].connect("me", 0.0, region="eu", rtt=0.01)
+    assert me.neighbour("mate") == ("", 0.0)
+    if described:
+        assert me.describe("mate", 0.0, region="eu", upload=5e6)
+        assert not me.describe("mate", 0.0, region="eu", upload=5e6)  # nothing new
+        assert me.neighbour("mate") == ("eu", 5e6)
+    net.link("me", "far", 0.0, same_region=False)
+    net.run(0.0)
+    asked = {m.index for src, dst, m in net.sent
+             if src == "me" and dst == "far" and isinstance(m, Request)}
+    if described:
+        assert 4 <= len(asked) <= 12
+    else:
+        assert asked == set(range(16))

@@ -95,3 +95,36 @@ async def test_six_peers_verify_a_multichunk_delta_despite_a_corrupt_and_a_dead_
                 if p is not peers[1]:
                     await p.__aexit__(None, None, None)
                     await node.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_the_trainers_exchange_follows_a_peers_new_uplink(tmp_path: Path) -> None:
+    """A peer measures a new uplink and says so (``update_metadata``): its next signed
+    metadata on the peers topic carries it, and the trainer's exchange, connected to it
+    since before, uses the new figure (the source choice and the region's import ranks
+    depend on it). Before, an exchange kept what it knew at the connection."""
+    trainer_id = Identity.from_seed(b"T" * 32)
+    ident = Identity.from_seed(b"P" * 32)
+    async with contextlib.AsyncExitStack() as stack:
+        tnode = await stack.enter_async_context(
+            Libp2pNode(trainer_id, NodeConfig(run="meta", region="r0")))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnode, TrainerConfig(run="meta", data_dir=tmp_path, piece_size=PIECE,
+                                             chunk_target=2 << 10)))
+        await trainer.publish(inference_state(build_model(CFG)))
+        node = await stack.enter_async_context(Libp2pNode(ident, NodeConfig(
+            run="meta", bootstrap=(tnode.listen_addresses[0],), region="r1",
+            upload=5_000_000, metadata_interval=0.5)))
+        peer = await stack.enter_async_context(RolloutPeer(
+            ident, node, PeerConfig(run="meta", trainer=trainer_id.peer_id, region="r1",
+                                    discover_interval=0.2),
+            inference_state(build_model(CFG)), TorchEngine(build_model(CFG, dtype=torch.bfloat16))))
+        seen = trainer.driver.exchange.neighbour
+        async with asyncio.timeout(60):
+            await peer.wait_version(0)
+            while seen(ident.peer_id) != ("r1", 5e6):
+                await asyncio.sleep(0.05)
+            node.update_metadata(bandwidth=7_000_000)
+            while seen(ident.peer_id) != ("r1", 7e6):
+                await asyncio.sleep(0.05)
+        assert peer.driver.exchange.neighbour(trainer_id.peer_id) == ("r0", 0.0)

@@ -264,10 +264,32 @@ class Exchange(DownloadSide, UploadSide):
         """A neighbour turned out to seed for the trainer (a manifest named it), or no
         longer does: what it holds counts as the trainer's from now on (or no longer)."""
         p = self._peers.get(peer)
-        if p is None or p.trainer == trainer:
-            return
+        if p is not None and p.trainer != trainer:
+            self._relabel(p, now, p.region, trainer, p.upload)
+
+    def describe(self, peer: str, now: float, *, region: str, upload: float) -> bool:
+        """A neighbour's metadata says ``region`` and ``upload`` (bytes per second, 0 if
+        unknown) now: it changed, or came after the connection (a dialled node learns of
+        its dialler from the peers topic only). Whether anything changed."""
+        p = self._peers.get(peer)
+        upload = max(0.0, upload)
+        if p is None or (p.region, p.upload) == (region, upload):
+            return False
+        self._relabel(p, now, region, p.trainer, upload)
+        return True
+
+    def neighbour(self, peer: str) -> tuple[str, float] | None:
+        """The region and uplink (bytes per second) known of a neighbour (None: not one)."""
+        p = self._peers.get(peer)
+        return None if p is None else (p.region, p.upload)
+
+    def _relabel(self, p: PeerState, now: float, region: str, trainer: bool,
+                 upload: float) -> None:
+        """Give ``p`` a new region, trainer flag or uplink, and redo what depends on them:
+        which chunks region-mates hold, the import ranks, the remote neighbours kept
+        unchoked."""
         was_local = self._is_local(p)
-        p.trainer = trainer
+        p.region, p.trainer, p.upload = region, trainer, upload
         if self._is_local(p) != was_local:
             step = -1 if was_local else 1
             for obj, idxs in p.haves.items():
@@ -275,6 +297,11 @@ class Exchange(DownloadSide, UploadSide):
                 if o is not None:
                     for idx in idxs:
                         o.local[idx] += step
+        always = self.config.unchoke_remote and region != self.region and not trainer
+        if always and not p.always and p.we_choke:
+            p.we_choke = False
+            self._out.append((p.peer, Unchoke()))
+        p.always = always
         self._locals = None
         self._keys = None
         for ob in self._objects.values():

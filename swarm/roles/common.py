@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+METADATA_FOLLOW_S = 1.0
+"""How often a node passes its neighbours' newest metadata on to its exchange."""
+
 
 class Network(Transport, Gossip, Protocol):
     """A transport that also gossips (the libp2p node, the in-memory network)."""
@@ -86,6 +89,7 @@ class NodeBase:
         await self.driver.__aenter__()
         self.spawn(self.mux.route(), "mux")
         self.spawn(self._peer_events(), "peer events")
+        self.spawn(self._follow_metadata(), "metadata")
         for peer in self.net.connected_peers():
             self.on_peer(peer, True)
 
@@ -112,13 +116,28 @@ class NodeBase:
 
     def driver_connected(self, peer: str, *, trainer: bool = False) -> None:
         """Tell the exchange ``peer`` is reachable, with the region and uplink its
-        metadata advertises (none yet: no region, upload unknown)."""
+        metadata advertises (none yet: no region, upload unknown; :meth:`_follow_metadata`
+        passes them on once they come)."""
         meta = self.net.directory().get(peer)
         if meta is None:
             self.driver.connected(peer, trainer=trainer)
         else:
             self.driver.connected(peer, region=str(meta.region), trainer=trainer,
                                   upload=float(meta.bandwidth))
+
+    async def _follow_metadata(self) -> None:
+        """Pass the neighbours' metadata on to the exchange as it comes or changes: a
+        node re-advertises a measured uplink (``update_metadata``), and a dialled node
+        learns of its dialler from the peers topic only, which may come after the
+        connection. (The exchange ignores what it already knows.)"""
+        while True:
+            await asyncio.sleep(METADATA_FOLLOW_S)
+            known = self.net.directory()
+            for peer in self.driver.exchange.neighbours:
+                meta = known.get(peer)
+                if meta is not None:
+                    self.driver.described(peer, region=str(meta.region),
+                                          upload=float(meta.bandwidth))
 
     def on_peer(self, peer: str, connected: bool) -> None:
         if connected:

@@ -149,6 +149,11 @@ class ExchangeDriver:
                               upload=upload)
         self._pump()
 
+    def described(self, peer: str, *, region: str, upload: float) -> None:
+        """``peer``'s metadata (now) advertises ``region`` and ``upload``."""
+        if self.exchange.describe(peer, self.now(), region=region, upload=upload):
+            self._pump()
+
     def set_trainer(self, peer: str, trainer: bool) -> None:
         self.exchange.set_trainer(peer, trainer, self.now())
         self._pump()
