@@ -1,7 +1,7 @@
 """Restarts through the ``swarm`` command, as a user does them: real processes (a bootstrap
 node, a trainer, peers) on loopback, stopped with signals and started again on their data
-dirs. After each restart every live peer verifies every version published after it came
-back, within 10 s plus the transfer time.
+dirs. After each restart every live peer verifies each of the next versions published
+after it came back (3 to 8 of them), within 10 s plus the transfer time.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 #: A version published after a peer is back must be verified this soon (the demo's deltas
 #: are about 120 KB: the transfer time is negligible on loopback).
 CATCH_UP_S = 10.0
+#: ``--steps`` for a trainer that must outlast a restart however fast its steps go (about
+#: a second each here): the test follows a window of versions after the restart and ends.
+UNBOUNDED = "1000"
 
 
 def _all_published_after(trainer: SwarmProc, peer: SwarmProc, since: int, last: int) -> None:
@@ -29,16 +32,16 @@ def _all_published_after(trainer: SwarmProc, peer: SwarmProc, since: int, last: 
                       CATCH_UP_S, f"verified {v}")
 
 
-@pytest.mark.parametrize(("down_s", "at", "steps"), [(1.0, 4, 8), (12.0, 8, 16)])
+@pytest.mark.parametrize(("down_s", "at", "follow"), [(1.0, 4, 4), (12.0, 8, 8)])
 def test_peer_sigint_then_restarted_follows_every_later_version(
-        tmp_path: Path, down_s: float, at: int, steps: int) -> None:
+        tmp_path: Path, down_s: float, at: int, follow: int) -> None:
     """The second case is the reported one: two peers, SIGINT to one at step 8, the same
     command again 12 s later (it stalled for good, 3 of 3 tries)."""
     import time
 
     with cluster(tmp_path) as c:
         c.bootstrap()
-        t = c.trainer("--steps", str(steps), "--min-peers", "2")
+        t = c.trainer("--steps", UNBOUNDED, "--min-peers", "2")
         p0 = c.peer("p0", region="r1")
         p1 = c.peer("p1", region="r2")
         t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= at, 120, f"step {at}")
@@ -50,9 +53,8 @@ def test_peer_sigint_then_restarted_follows_every_later_version(
         resumed = p1b.wait_event("resumed", 60)
         assert resumed["version"] == held
         back = max(step_of(e) for e in t.of("step")) + 1
-        _all_published_after(t, p1b, back, steps)
-        _all_published_after(t, p0, back, steps)
-        t.wait_event("done", 60)
+        _all_published_after(t, p1b, back, back + follow)
+        _all_published_after(t, p0, back, back + follow)
 
 
 def test_trainer_run_again_with_more_steps_is_followed(tmp_path: Path) -> None:
@@ -90,7 +92,7 @@ def test_peer_with_corrupt_chunks_and_a_broken_state_file_recovers(tmp_path: Pat
                                                                     state: str) -> None:
     with cluster(tmp_path) as c:
         c.bootstrap()
-        t = c.trainer("--steps", "8", "--min-peers", "2")
+        t = c.trainer("--steps", UNBOUNDED, "--min-peers", "2")
         p0 = c.peer("p0", region="r1")
         p1 = c.peer("p1", region="r2")
         t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= 3, 120, "step 3")
@@ -104,8 +106,8 @@ def test_peer_with_corrupt_chunks_and_a_broken_state_file_recovers(tmp_path: Pat
         refused = p1b.wait_event("resume_refused", 60)
         assert refused["error"]
         back = max(step_of(e) for e in t.of("step")) + 1
-        _all_published_after(t, p1b, back, 8)
-        _all_published_after(t, p0, back, 8)
+        _all_published_after(t, p1b, back, back + 3)
+        _all_published_after(t, p0, back, back + 3)
         # and it does leased work again
         p1b.wait_event("result", 30)
 
@@ -114,7 +116,7 @@ def test_peer_back_after_longer_than_the_trainers_window_takes_a_keyframe(
         tmp_path: Path) -> None:
     with cluster(tmp_path) as c:
         c.bootstrap()
-        t = c.trainer("--steps", "14", "--min-peers", "2", "--keep-versions", "2")
+        t = c.trainer("--steps", UNBOUNDED, "--min-peers", "2", "--keep-versions", "2")
         p0 = c.peer("p0", region="r1")
         p1 = c.peer("p1", region="r2")
         t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= 3, 120, "step 3")
@@ -127,8 +129,8 @@ def test_peer_back_after_longer_than_the_trainers_window_takes_a_keyframe(
         p1b = c.peer("p1", region="r2")
         assert p1b.wait_event("resumed", 60)["version"] == held
         back = max(step_of(e) for e in t.of("step")) + 1
-        _all_published_after(t, p1b, back, 14)
-        _all_published_after(t, p0, back, 14)
+        _all_published_after(t, p1b, back, back + 3)
+        _all_published_after(t, p0, back, back + 3)
         assert any(e["kind"] == "keyframe" for e in p1b.of("verified"))
 
 
