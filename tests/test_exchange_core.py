@@ -400,6 +400,51 @@ def test_random_message_sequences_never_crash_the_core() -> None:
     run()
 
 
+def test_relabelled_neighbours_keep_the_books_right() -> None:
+    """Metadata may change a neighbour's region, uplink or trainer flag at any point
+    between its messages: the core never raises, and its count of region-mates holding
+    each chunk stays the count of its local holders."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    spec, chunks = make_object(5)
+    idx = st.integers(0, 4)
+    msgs = st.one_of(
+        st.builds(Have, st.just(spec.obj), idx), st.builds(Request, st.just(spec.obj), idx),
+        st.builds(Reject, st.just(spec.obj), idx), st.just(Unchoke()),
+        st.builds(Piece, st.just(spec.obj), idx, st.sampled_from(chunks[:2])))
+    labels = st.tuples(st.sampled_from(["", "eu", "us"]), st.sampled_from([0.0, 1e3, 1e9]),
+                       st.booleans())
+    steps = st.lists(st.tuples(st.sampled_from(["a", "b"]), st.one_of(msgs, labels)),
+                     max_size=40)
+
+    @settings(max_examples=60, deadline=None)
+    @given(steps)
+    def run(seq: list[tuple[str, Message | tuple[str, float, bool]]]) -> None:
+        me = Exchange("me", region="eu", seed=1)
+        me.add_object(spec, 0.0)
+        me.connect("a", 0.0, region="eu")
+        me.connect("b", 0.0)
+        for k, (peer, step) in enumerate(seq):
+            now = 0.01 * k
+            if isinstance(step, tuple):
+                region, upload, trainer = step
+                me.describe(peer, now, region=region, upload=upload)
+                me.set_trainer(peer, trainer, now)
+                assert me.neighbour(peer) in (None, (region, upload))
+            else:
+                me.receive(peer, step, now)
+            me.handle_timer(now + 0.005)
+            me.take_outgoing()
+            me.take_events()
+            o = me._objects[spec.obj]
+            for i in range(5):
+                assert o.local[i] == sum(1 for h in o.holders[i]
+                                         if me._is_local(me._peers[h]))
+
+    run()
+
+
 def _queue_requests(seed: Exchange, leech: Exchange) -> None:
     """Hand the leech's first messages to the seed, unchoke it, and queue its requests
     at the seed (uploads not yet sent)."""
