@@ -124,10 +124,8 @@ class LeasedWork:
                 await self.run_lease(answer)
             else:
                 # no work yet (the trainer is training), or we hold enough: ask again
-                # shortly, not after the time-out for an answer that already came (a
-                # banned peer asks as seldom as one never answered)
-                banned = answer is Reason.BANNED
-                await asyncio.sleep(self.config.claim_retry * (4 if banned else 1))
+                # shortly, not after the time-out for an answer that already came
+                await asyncio.sleep(self.config.claim_retry)
 
     async def run_lease(self, lease: Lease) -> None:
         self._status("lease", {"lease": lease.lease_id.hex()[:12], "tasks": len(lease.tasks)})
