@@ -59,8 +59,7 @@ class LeasedWork:
         self._status = status
         self._on_stale = on_stale
         self.ready = asyncio.Event()
-        self._inbox: asyncio.Queue[Lease | Reason] = asyncio.Queue(64)
-        """Answers to our claims: a lease, or why the trainer refused one."""
+        self._inbox: asyncio.Queue[Lease] = asyncio.Queue(64)
         self._held_changed = asyncio.Event()
         self._tokens_per_s = 100.0
         self.tasks_done = 0
@@ -80,10 +79,6 @@ class LeasedWork:
             self._held_changed.set()
             if verdict is Reason.ACCEPTED and isinstance(decoded, Lease):
                 await self._inbox.put(decoded)
-            elif isinstance(decoded, Verdict) and decoded.subject == "claim" and \
-                    verdict is not Reason.ACCEPTED:
-                with contextlib.suppress(asyncio.QueueFull):
-                    self._inbox.put_nowait(verdict)
             elif verdict is Reason.STALE_VERSION:
                 self._on_stale()  # the trainer has a newer version than ours
             elif verdict is Reason.REJECTED and isinstance(decoded, Verdict):
@@ -116,16 +111,11 @@ class LeasedWork:
                                       version=self._version()[0], want=self.config.want_tasks)
             await self._send(claim.encode())
             try:
-                answer = await asyncio.wait_for(self._inbox.get(),
-                                                timeout=self.config.claim_retry * 4)
+                lease = await asyncio.wait_for(self._inbox.get(),
+                                               timeout=self.config.claim_retry * 4)
             except TimeoutError:
-                continue  # no answer (lost, or the trainer is away): claim again
-            if isinstance(answer, Lease):
-                await self.run_lease(answer)
-            else:
-                # no work yet (the trainer is training), or we hold enough: ask again
-                # shortly, not after the time-out for an answer that already came
-                await asyncio.sleep(self.config.claim_retry)
+                continue
+            await self.run_lease(lease)
 
     async def run_lease(self, lease: Lease) -> None:
         self._status("lease", {"lease": lease.lease_id.hex()[:12], "tasks": len(lease.tasks)})
