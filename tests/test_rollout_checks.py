@@ -81,8 +81,10 @@ class Policies:
 
 async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
                             ) -> tuple[TrainerNode, dict[int, int], str]:
-    """A trainer with the log-prob check, two honest peers and one cheater; returns the
-    trainer, the cheater's results counted per version, and the cheater's id."""
+    """A trainer with the log-prob check, two honest peers and one cheater, for ``steps``
+    steps and then until the cheater is banned (12 at most: how many leases the cheater
+    wins each step is a race); returns the trainer, the cheater's results counted per
+    version, and the cheater's id."""
     net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=1)
     master = build_model(CFG)
     policies = Policies()
@@ -108,7 +110,9 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
             await stack.enter_async_context(RolloutPeer(
                 ident, pnet, PeerConfig(run=RUN, trainer=TRAINER.peer_id, want_tasks=2),
                 inference_state(build_model(CFG)), engine))  # type: ignore[arg-type]
-        for step in range(1, steps + 1):
+        step = 0
+        while step < steps or (step < 12 and not trainer.leases.scores.banned(cheater.peer_id)):
+            step += 1
             tasks = trainer.add_tasks([(f"s{step}-{k}", [1, 2 + k, 3]) for k in range(6)],
                                       group_size=2, sampling=replace(SAMPLING, seed=step))
             accepted = await trainer.collect(len(tasks), timeout=60)
@@ -132,8 +136,9 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
 async def test_a_cheating_peer_is_refused_and_banned_and_honest_peers_never_are(
         tmp_path: Path, strategy: str) -> None:
     # A stale cheater's results are wrong only from version 1 on, and a ban takes three
-    # refusals (10 points each, banned at -20, an accepted result earns one back): with 3
-    # steps one fresh-clone CI run ended it above the ban line.
+    # refusals (10 points each, banned at -20, an accepted result earns one back): the run
+    # goes on past these steps until the ban (with 3 fixed steps one fresh-clone CI run
+    # ended it above the ban line).
     steps = 5 if strategy == "stale" else 3
     trainer, counted, cheater = await _run_with_cheater(tmp_path, strategy, steps)
     if strategy == "stale":
