@@ -242,7 +242,7 @@ class Exchange(DownloadSide, UploadSide):
                 ob.ranks.clear()
         for o in self._objects.values():
             self._send_bitfield(p, o)
-        p.always = self.config.unchoke_remote and region != self.region and not trainer
+        p.always = self._always_unchoked(region, trainer)
         if self.config.unchoke_all or p.always:
             p.we_choke = False
             self._out.append((peer, Unchoke()))
@@ -283,6 +283,11 @@ class Exchange(DownloadSide, UploadSide):
         p = self._peers.get(peer)
         return None if p is None else (p.region, p.upload)
 
+    def _always_unchoked(self, region: str, trainer: bool) -> bool:
+        """A neighbour in another region (not the trainer) is never choked with
+        ``unchoke_remote``."""
+        return self.config.unchoke_remote and region != self.region and not trainer
+
     def _relabel(self, p: PeerState, now: float, region: str, trainer: bool,
                  upload: float) -> None:
         """Give ``p`` a new region, trainer flag or uplink, and redo what depends on them:
@@ -297,7 +302,7 @@ class Exchange(DownloadSide, UploadSide):
                 if o is not None:
                     for idx in idxs:
                         o.local[idx] += step
-        always = self.config.unchoke_remote and region != self.region and not trainer
+        always = self._always_unchoked(region, trainer)
         if always and not p.always and p.we_choke:
             p.we_choke = False
             self._out.append((p.peer, Unchoke()))
