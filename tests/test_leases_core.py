@@ -465,6 +465,23 @@ def test_staleness_bound_on_results_and_claims() -> None:
     assert isinstance(c, Verdict) and c.reason is Reason.STALE_VERSION
 
 
+def test_a_stale_claim_costs_nothing_while_the_peer_fetches_a_version_inside_the_bound() -> None:
+    t = make_trainer(k=1)
+    t.publish_version(1, 1.0)
+    t.publish_version(2, 2.0)  # the bound is now version 1
+    p = peer(ALICE)
+    for i, (downloading, cost) in enumerate([(2, 0.0), (1, 0.0), (None, 0.5), (3, 0.5)]):
+        before = t.scores.score(ALICE.peer_id)
+        now = 3.0 + i
+        [v] = t.handle(p.claim(now, tokens_per_s=4.0, version=0, want=4,
+                               downloading=downloading).encode(), now, sender=ALICE.peer_id)
+        assert isinstance(v, Verdict) and v.reason is Reason.STALE_VERSION
+        # fetching 2 or 1 is catching up; fetching nothing, or a version the trainer never
+        # published, is not
+        assert before - t.scores.score(ALICE.peer_id) == pytest.approx(cost), downloading
+    assert t.stats.refused["stale_version"] == 4
+
+
 def test_bad_shapes_and_foreign_tasks_are_refused() -> None:
     t = make_trainer()
     pa, pb = peer(ALICE), peer(BOB)

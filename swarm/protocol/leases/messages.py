@@ -116,7 +116,8 @@ PENALTIES: Mapping[str, float] = {
     Reason.WRONG_RUN: 1.0,
     Reason.STALE_VERSION: 0.5,
 }
-"""Score lost per refusal; reasons absent here (no work, too many leases) cost nothing."""
+"""Score lost per refusal; reasons absent here (no work, too many leases) cost nothing, and
+so does a stale claim from a peer that says it is fetching a version inside the bound."""
 
 
 def ms(now: float) -> int:
@@ -127,11 +128,14 @@ def ms(now: float) -> int:
 class _Refused(Exception):
     """A message refused for ``reason``; raised and caught inside the lease books."""
 
-    def __init__(self, reason: Reason, detail: str, counted: tuple[int, ...] = ()) -> None:
+    def __init__(self, reason: Reason, detail: str, counted: tuple[int, ...] = (), *,
+                 free: bool = False) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
         self.counted = counted
+        self.free = free
+        """Refused without the reason's penalty (an honest state, not misbehaviour)."""
 
 
 # --------------------------------------------------------------------------- field codecs

@@ -385,7 +385,7 @@ class TrainerLeases:
                 reply = self._result(message, peer, now, ops)
         except _Refused as ref:
             blamed = sender if ref.reason is Reason.SENDER_MISMATCH and sender else peer
-            self._count_refusal(ref.reason, blamed, subject, ref.detail, ops)
+            self._count_refusal(ref.reason, blamed, subject, ref.detail, ops, free=ref.free)
             self._store.commit(ops)
             judged = message.commitment if isinstance(message, Result) else b""
             return [self._verdict(subject, lease_id, ref.reason, now, detail=ref.detail,
@@ -419,9 +419,9 @@ class TrainerLeases:
             self._store.commit([ScorePeer(sender, score)])
 
     def _count_refusal(self, reason: Reason, peer: str, subject: str, detail: str,
-                       ops: list[StateOp]) -> None:
+                       ops: list[StateOp], *, free: bool = False) -> None:
         self.stats.refused[reason.value] += 1
-        if reason in PENALTIES:
+        if reason in PENALTIES and not free:
             ops.append(ScorePeer(peer, self._scores.refuse(peer, reason)))
             logger.warning("refused %s from %s: %s (%s)", subject, peer, reason.value, detail)
         else:
@@ -449,8 +449,14 @@ class TrainerLeases:
             raise _Refused(Reason.TOO_MANY_LEASES, f"holds {held}")
         floor = max(0, self._latest - self._cfg.max_staleness)
         if claim.version < floor:
+            # A peer that says it is fetching a version inside the bound is catching up,
+            # which costs nothing; one that claims with an old version and fetches
+            # nothing loses a little score (it is told to update first).
+            catching_up = claim.downloading is not None and \
+                floor <= claim.downloading <= self._latest
             raise _Refused(Reason.STALE_VERSION,
-                           f"version {claim.version} < {floor}; update first")
+                           f"version {claim.version} < {floor}; update first",
+                           free=catching_up)
         backups = [] if self._queue else self._backup_candidates(claim.signer, now)
         if not self._queue and not backups:
             raise _Refused(Reason.NO_WORK, "queue empty")
