@@ -413,3 +413,37 @@ async def test_trainer_diffing_on_the_device_publishes_the_host_trainers_chunks(
     device += await publish_all("device", tmp_path / "d", 4, start=3)  # restarted
     assert device == host
     assert all(chunks for _, chunks in host)
+
+
+async def test_a_peer_told_there_is_no_work_asks_again_after_claim_retry(
+        tmp_path: Path) -> None:
+    """Between steps the trainer has no tasks and refuses claims (``no_work``). The
+    refusal is the answer: the peer claims again ``claim_retry`` (0.5 s) later, not after
+    the 2 s it waits for an answer that never comes, which left every peer idle for most
+    of 2 s at each step (the demo's steps took 5.6 s here, 1.2 s after)."""
+    net = MemoryNetwork(default=LinkProfile(bandwidth=50e6, latency=0.002), seed=4)
+    trainer_id = Identity.from_seed(b"N" * 32)
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="n", data_dir=tmp_path, piece_size=PIECE)))
+        await trainer.publish(inference_state(build_model(CFG)))
+        ident = Identity.from_seed(b"n" * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        await pnet.connect(tnet.listen_addresses[0])
+        peer = await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="n", trainer=trainer_id.peer_id),
+            inference_state(build_model(CFG)), TorchEngine(build_model(CFG, dtype=torch.bfloat16))))
+        refused = trainer.leases.stats.refused
+        async with asyncio.timeout(30):
+            await peer.wait_version(0)
+            while not refused.get("no_work"):
+                await asyncio.sleep(0.05)
+        first = refused["no_work"]
+        async with asyncio.timeout(6):  # 5 more at 0.5 s; 10 s at the old 2 s
+            while refused["no_work"] < first + 5:
+                await asyncio.sleep(0.05)
+        tasks = trainer.add_tasks([("late", [1, 2, 3])], group_size=2,
+                                  sampling=Sampling(temperature=1.0, max_tokens=4, seed=0))
+        accepted = await trainer.collect(len(tasks), timeout=10)
+        assert [r.task_id for a in accepted for r in a.results] == [tasks[0].task_id]

@@ -93,6 +93,7 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
                          seed=5)
     cheater = Identity.from_seed(b"C" * 32)
     counted: dict[int, int] = {}
+    peers: list[RolloutPeer] = []
     async with contextlib.AsyncExitStack() as stack:
         tnet = await stack.enter_async_context(net.transport(TRAINER))
         trainer = await stack.enter_async_context(TrainerNode(
@@ -107,11 +108,16 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
             if ident is cheater:
                 engine = CheatingEngine(engine, strategy, vocab_size=CFG.vocab_size,  # type: ignore[arg-type]
                                         seed=i)
-            await stack.enter_async_context(RolloutPeer(
+            peers.append(await stack.enter_async_context(RolloutPeer(
                 ident, pnet, PeerConfig(run=RUN, trainer=TRAINER.peer_id, want_tasks=2),
-                inference_state(build_model(CFG)), engine))  # type: ignore[arg-type]
+                inference_state(build_model(CFG)), engine)))  # type: ignore[arg-type]
         step = 0
         while step < steps or (step < 12 and not trainer.leases.scores.banned(cheater.peer_id)):
+            # every peer holds the newest version before the step's tasks come: the checks
+            # are under test here, not the staleness bound (in-memory steps are so quick
+            # that a peer would otherwise claim two versions behind and win no work)
+            async with asyncio.timeout(30):
+                await asyncio.gather(*(p.wait_version(step) for p in peers))
             step += 1
             tasks = trainer.add_tasks([(f"s{step}-{k}", [1, 2 + k, 3]) for k in range(6)],
                                       group_size=2, sampling=replace(SAMPLING, seed=step))

@@ -174,7 +174,7 @@ class RolloutPeer(NodeBase):
             self.leases, self.mux, engine, self._engine_lock,
             WorkConfig(config.trainer, config.want_tasks, config.claim_retry), self.clock,
             version=lambda: (self.version, self.root or NO_ROOT), status=self._status,
-            on_stale=self._stale)
+            on_stale=self._stale, downloading=self._downloading)
         self.discovery = Discovery(
             net, DiscoveryConfig(config.trainer, config.bootstrap, config.max_neighbours,
                                  config.discover_interval, config.reconnect_min,
@@ -260,6 +260,10 @@ class RolloutPeer(NodeBase):
         self._status("reconnected", {"version": self.version})
         self.follower.trainer_connected(self.clock.now())
         self._wake.set()
+
+    def _downloading(self) -> int | None:
+        """The newest version being fetched, if any (a claim says so while catching up)."""
+        return max((sm.manifest.step for sm, _, _ in self._fetches.values()), default=None)
 
     def _stale(self) -> None:
         self.follower.behind(self.version + 1, self.clock.now())
@@ -620,6 +624,7 @@ class RolloutPeer(NodeBase):
                     raise RuntimeError(f"the engine could not take step "
                                        f"{sm.manifest.step}: {exc}") from exc
             self.version, self.root = sm.manifest.step, root
+        self.work.installed.set()
         await self._save(sm)
         async with self._version_changed:
             self._version_changed.notify_all()

@@ -38,7 +38,11 @@ class WorkConfig:
     trainer: str
     want_tasks: int = 4
     claim_retry: float = 0.5
-    """Seconds to wait before claiming again after the trainer had no work."""
+    """Seconds to wait before claiming again after the trainer refused a claim (it had
+    no work, or we hold enough leases)."""
+    stale_wait: float = 2.0
+    """After a claim refused as stale, the longest wait for a newer version before
+    claiming again."""
 
 
 class LeasedWork:
@@ -48,7 +52,8 @@ class LeasedWork:
     def __init__(self, leases: PeerLeases, mux: Mux, engine: RolloutEngine,
                  engine_lock: asyncio.Lock, config: WorkConfig, clock: Clock,
                  version: Callable[[], tuple[int, bytes]], status: StatusFn,
-                 on_stale: Callable[[], None]) -> None:
+                 on_stale: Callable[[], None],
+                 downloading: Callable[[], int | None] = lambda: None) -> None:
         self.leases = leases
         self.mux = mux
         self.engine = engine
@@ -58,8 +63,12 @@ class LeasedWork:
         self._version = version
         self._status = status
         self._on_stale = on_stale
+        self._downloading = downloading
         self.ready = asyncio.Event()
-        self._inbox: asyncio.Queue[Lease] = asyncio.Queue(64)
+        self._inbox: asyncio.Queue[Lease | Reason] = asyncio.Queue(64)
+        """Answers to our claims: a lease, or why the trainer refused one."""
+        self.installed = asyncio.Event()
+        """Set by the peer when it installs a version (a stale claim waits on it)."""
         self._held_changed = asyncio.Event()
         self._tokens_per_s = 100.0
         self.tasks_done = 0
@@ -79,8 +88,13 @@ class LeasedWork:
             self._held_changed.set()
             if verdict is Reason.ACCEPTED and isinstance(decoded, Lease):
                 await self._inbox.put(decoded)
-            elif verdict is Reason.STALE_VERSION:
+                continue
+            if verdict is Reason.STALE_VERSION:
                 self._on_stale()  # the trainer has a newer version than ours
+            if isinstance(decoded, Verdict) and decoded.subject == "claim" and \
+                    verdict is not Reason.ACCEPTED:
+                with contextlib.suppress(asyncio.QueueFull):
+                    self._inbox.put_nowait(verdict)
             elif verdict is Reason.REJECTED and isinstance(decoded, Verdict):
                 # the trainer's checks refused our completions: say why, loudly (an
                 # honest peer sees this only when its engine disagrees with the policy)
@@ -107,15 +121,29 @@ class LeasedWork:
     async def claims(self) -> None:
         while True:
             await self.ready.wait()
-            claim = self.leases.claim(self.clock.wall(), tokens_per_s=self._tokens_per_s,
-                                      version=self._version()[0], want=self.config.want_tasks)
+            held = self._version()[0]
+            fetching = self._downloading()
+            self.installed.clear()
+            claim = self.leases.claim(
+                self.clock.wall(), tokens_per_s=self._tokens_per_s, version=held,
+                want=self.config.want_tasks,
+                downloading=fetching if fetching is not None and fetching > held else None)
             await self._send(claim.encode())
             try:
-                lease = await asyncio.wait_for(self._inbox.get(),
-                                               timeout=self.config.claim_retry * 4)
+                answer = await asyncio.wait_for(self._inbox.get(),
+                                                timeout=self.config.claim_retry * 4)
             except TimeoutError:
-                continue
-            await self.run_lease(lease)
+                continue  # no answer (lost, or the trainer is away): claim again
+            if isinstance(answer, Lease):
+                await self.run_lease(answer)
+            elif answer is Reason.STALE_VERSION:
+                # behind the staleness bound: claim again once a newer version is in
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.installed.wait(), self.config.stale_wait)
+            else:
+                # no work yet (the trainer is training), or we hold enough: ask again
+                # shortly, not after the time-out for an answer that already came
+                await asyncio.sleep(self.config.claim_retry)
 
     async def run_lease(self, lease: Lease) -> None:
         self._status("lease", {"lease": lease.lease_id.hex()[:12], "tasks": len(lease.tasks)})
