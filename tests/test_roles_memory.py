@@ -447,3 +447,44 @@ async def test_a_peer_told_there_is_no_work_asks_again_after_claim_retry(
                                   sampling=Sampling(temperature=1.0, max_tokens=4, seed=0))
         accepted = await trainer.collect(len(tasks), timeout=10)
         assert [r.task_id for a in accepted for r in a.results] == [tasks[0].task_id]
+
+
+async def test_a_peer_two_versions_behind_catches_up_without_losing_score(
+        tmp_path: Path, caplog: Any) -> None:
+    """A peer more than ``max_staleness`` behind is refused work until it catches up. Its
+    claims say which version it is fetching, so the refusals cost it nothing: at 0.5 s a
+    claim, a peer that took 20 s to catch up would otherwise be banned from leases."""
+    # a slow link (5 KB/s): each version below changes every weight and takes the peer
+    # seconds to fetch, longer than it waits for one after a stale refusal (2 s)
+    net = MemoryNetwork(default=LinkProfile(bandwidth=5e3, latency=0.1), seed=5)
+    trainer_id = Identity.from_seed(b"B" * 32)
+    master = build_model(CFG)
+    async with contextlib.AsyncExitStack() as stack:
+        tnet = await stack.enter_async_context(net.transport(trainer_id))
+        trainer = await stack.enter_async_context(TrainerNode(
+            trainer_id, tnet, TrainerConfig(run="b", data_dir=tmp_path, piece_size=PIECE)))
+        await trainer.publish(inference_state(master))
+        ident = Identity.from_seed(b"b" * 32)
+        pnet = await stack.enter_async_context(net.transport(ident))
+        await pnet.connect(tnet.listen_addresses[0])
+        peer = await stack.enter_async_context(RolloutPeer(
+            ident, pnet, PeerConfig(run="b", trainer=trainer_id.peer_id),
+            inference_state(build_model(CFG)), TorchEngine(build_model(CFG, dtype=torch.bfloat16))))
+        async with asyncio.timeout(60):
+            await peer.wait_version(0)
+        with torch.no_grad():
+            for step in (1, 2):
+                for p in master.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+                           * 1e-2)
+                await trainer.publish(inference_state(master))
+        tasks = trainer.add_tasks([("behind", [1, 2, 3])], group_size=2,
+                                  sampling=Sampling(temperature=1.0, max_tokens=4, seed=0))
+        caplog.set_level("WARNING", logger="swarm.protocol.leases.trainer_book")
+        accepted = await trainer.collect(len(tasks), timeout=60)
+        assert [a.version >= 1 for a in accepted] == [True]  # inside the bound
+        refused = trainer.leases.stats.refused["stale_version"]
+        penalised = [r for r in caplog.records if "refused claim" in r.getMessage()]
+        assert refused >= 3
+        # the claim it sent before it heard of the new versions, at most
+        assert len(penalised) <= 1
