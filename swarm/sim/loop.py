@@ -24,7 +24,9 @@ takes the route the follower takes (:func:`swarm.protocol.picker.plan_catch_up`,
 :mod:`swarm.protocol.follow`): the chain of retained deltas, or a keyframe (the dense state)
 when the chain is gone (past ``keep_versions``) or costs more. Catch-up time is its bytes
 over the actor's downlink. No version is lost: every published version stays reachable
-through a retained chain or a keyframe.
+through a retained chain or a keyframe. Once caught up, an actor generates for the batch
+after the one under way (the trainer does not wait a whole rollout for an actor that came
+back after its batch started), and the trainer stops waiting for an actor that left.
 
 Figures are taken over a steady window, the second half of the steps (from the end of
 trainer step ``steps // 2 - 1`` to the end of the last one; the whole run for one step).
@@ -296,7 +298,13 @@ class _Loop:
         a = self.actors[i]
         a.catching = False
         a.held = max(a.held, len(self.published) - 1)
-        a.next_j = max(a.next_j, self.next_step)
+        # it joins the batch after the one the others are generating: the trainer does not
+        # wait a whole rollout for an actor that came back after its batch started (with
+        # actors coming back every few seconds, it would otherwise hardly ever train)
+        j = self.next_step
+        started = j < self.spec.steps and (self.tokens[j] > 0 or any(
+            b.busy is not None and b.busy[0] == j for b in self.actors))
+        a.next_j = max(a.next_j, j + 1 if started else j)
         self._try_start(i)
         self._try_train()
 
@@ -349,6 +357,7 @@ class _Loop:
             elif kind == _LEAVE:
                 if a.online:
                     self._leave(i)
+                    self._try_train()  # it may have been the last one owing a lease
             elif kind == _BACK:
                 self._back(i)
             elif epoch != a.epoch:
