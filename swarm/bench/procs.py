@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import SwarmError
+from swarm.selfcmd import swarm_argv
 
 Event = dict[str, Any]
 MB = 1e6
@@ -51,7 +51,7 @@ class SwarmChild:
         self.stderr_path = workdir / f"{name}.stderr"
         with self.stderr_path.open("wb") as err:
             self.proc = subprocess.Popen(
-                [*launcher, sys.executable, "-m", "swarm", *["-v"] * verbose, *argv],
+                [*launcher, *swarm_argv(*["-v"] * verbose, *argv)],
                 stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 from swarm.engines import CHEAT_STRATEGIES
 from swarm.errors import SwarmError
+from swarm.selfcmd import swarm_argv
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,10 +110,6 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-def _cmd(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "swarm.cli.main", *extra]
-
-
 async def _spawn(cmd: list[str], log_path: Path) -> asyncio.subprocess.Process:
     """Start a node; its stderr (warnings, errors) goes to ``log_path``, opened for
     appending so the demo can add the node's status events there too (see ``read``)."""
@@ -153,7 +150,7 @@ async def _main(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     join: list[str] = []
     if args.bootstrap_node:
-        await start(_cmd("bootstrap", "--data-dir", str(base / "bootstrap"), "--status-json",
+        await start(swarm_argv("bootstrap", "--data-dir", str(base / "bootstrap"), "--status-json",
                          "--listen", "/ip4/127.0.0.1/tcp/0", "--run", "demo"), "bootstrap")
         async with asyncio.timeout(120):
             while not join:
@@ -161,7 +158,7 @@ async def _main(args: argparse.Namespace) -> int:
                 if ev.get("event") == "ready" and ev.get("node") == "bootstrap":
                     join = ["--bootstrap", str(ev["addr"])]
         print(f"bootstrap node at {join[1]}", flush=True)
-    trainer = await start(_cmd(
+    trainer = await start(swarm_argv(
         "trainer", "--data-dir", str(base / "trainer"), "--status-json",
         "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
         "--lr", str(args.lr),
@@ -176,7 +173,7 @@ async def _main(args: argparse.Namespace) -> int:
         name = "corrupt" if corrupt else "cheater" if cheat else f"peer-{n_peers}"
         region = f"r{n_peers % args.regions}"
         n_peers += 1
-        cmd = _cmd("peer", "--data-dir", str(base / name), "--status-json", "--name", name,
+        cmd = swarm_argv("peer", "--data-dir", str(base / name), "--status-json", "--name", name,
                    *(join or ["--bootstrap", st.addr]), "--trainer", st.trainer_id,
                    "--region", region,
                    "--uplink-mbps", str(args.uplink_mbps),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from swarm.bench.placement import Placement, Spot
 from swarm.bench.procs import BenchError, say, workdir
 from swarm.lab.kernel import Lab, check_available
 from swarm.lab.plan import Host, PlanError, Scenario, plan
+from swarm.selfcmd import swarm_argv
 
 REGIONS = ("a", "b", "c")
 
@@ -58,11 +58,11 @@ def check(args: argparse.Namespace) -> None:
 
 
 def e2e_argv(args: argparse.Namespace, work: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "swarm", "bench", "e2e", "--params", args.params,
-            "--steps", str(args.steps), "--peers", str(args.peers),
-            "--trainer-mbps", f"{args.trainer_mbps:g}", "--uplink-mbps", f"{args.uplink_mbps:g}",
-            "--chunk-kib", str(args.chunk_kib), "--timeout", f"{args.timeout:g}",
-            "--keep", str(work), "--json", str(out)]
+    return swarm_argv(
+        "bench", "e2e", "--params", args.params, "--steps", str(args.steps),
+        "--peers", str(args.peers), "--trainer-mbps", f"{args.trainer_mbps:g}",
+        "--uplink-mbps", f"{args.uplink_mbps:g}", "--chunk-kib", str(args.chunk_kib),
+        "--timeout", f"{args.timeout:g}", "--keep", str(work), "--json", str(out))
 
 
 def _spot(lab: Lab, host: Host) -> Spot:
