@@ -67,6 +67,45 @@ def test_bad_input_is_one_error_line(tmp_path: Path, case: str) -> None:
         one_error_line(t, needle)
 
 
+@pytest.mark.parametrize("command", ["trainer", "demo"])
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--lr", "-1"], "--lr -1: must be a positive number"),  # was torch's traceback
+    (["--lr", "nan"], "--lr nan"),
+    (["--group", "1"], "--group 1: must be at least 2"),
+    (["--prompts", "0"], "--prompts 0"),
+    (["--wan-latency-ms", "-5"], "--wan-latency-ms -5: must be 0 to"),
+], ids=["lr", "lr-nan", "group", "prompts", "latency"])
+def test_bad_workload_flags_are_one_error_line_before_anything_starts(
+        tmp_path: Path, command: str, flags: list[str], needle: str) -> None:
+    out = swarm(command, *flags, cwd=tmp_path)
+    one_error_line(out, needle)
+    assert not (tmp_path / ".demo").exists() and not (tmp_path / ".swarm").exists()
+
+
+def test_the_demo_says_why_its_trainer_stopped_at_once(tmp_path: Path) -> None:
+    # the trainer cannot use its data dir: the demo used to wait out its --timeout
+    # (900 s) in silence, then print a FAIL summary saying every peer verified everything
+    (tmp_path / ".demo").mkdir()
+    (tmp_path / ".demo" / "trainer").write_text("not a directory")
+    t0 = time.monotonic()
+    out = swarm("demo", "--steps", "2", "--timeout", "120", cwd=tmp_path)
+    one_error_line(out, "the trainer exited with status 2: --data-dir",
+                   "is not a directory", "(its log: .demo/trainer.log)")
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.slow
+def test_a_trainer_no_peer_joins_says_so_and_how_to_go_on(tmp_path: Path) -> None:
+    out = swarm("trainer", "--steps", "2", "--step-timeout", "2", "--data-dir", "t",
+                cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "peers join with:" in out.stdout and "swarm peer --bootstrap" in out.stdout
+    last = out.stderr.splitlines()[-1]
+    assert last.startswith("swarm: error: 0 of the 1 rollout peer(s) of --min-peers joined "
+                           "within --step-timeout 2 s; run this again (it resumes from t)"), last
+    assert "Traceback" not in out.stderr and "TimeoutError" not in out.stderr
+
+
 class Lines:
     """A process whose stdout and stderr lines are read as they come."""
 

@@ -87,6 +87,8 @@ async def shaped(node: Libp2pNode, args: argparse.Namespace) -> AsyncIterator[Ne
 
 #: The largest uplink a flag takes (1 Tbit/s).
 MAX_MBPS = 1e6
+#: The longest emulated one-way latency a flag takes.
+MAX_LATENCY_MS = 10_000.0
 
 
 class UsageError(SwarmError):
@@ -150,12 +152,12 @@ def check_data_dir(path: Path) -> None:
 
 
 def check_node_args(args: argparse.Namespace) -> None:
-    """One clear error for each unusable common flag, before anything heavy starts."""
+    """One clear error for each unusable common flag, before anything heavy starts (and
+    before the data directory is made)."""
     check_listen(str(args.listen))
     check_bootstrap(list(getattr(args, "bootstrap", None) or []))
     if getattr(args, "trainer", None) is not None:
         check_peer_id("--trainer", str(args.trainer))
-    check_data_dir(args.data_dir)
     budget = getattr(args, "buffer_budget_mib", 256)
     if not 17 <= budget <= 1 << 20:
         raise UsageError(f"--buffer-budget-mib {budget}: must be 17 to 1048576 (it holds at "
@@ -165,6 +167,9 @@ def check_node_args(args: argparse.Namespace) -> None:
         if value is not None and not 0 <= value <= MAX_MBPS:
             raise UsageError(f"--{flag.replace('_', '-')} {value:g}: must be 0 to {MAX_MBPS:g} "
                              "Mbit/s")
+    latency = getattr(args, "wan_latency_ms", 0.0)
+    if not 0 <= latency <= MAX_LATENCY_MS:
+        raise UsageError(f"--wan-latency-ms {latency:g}: must be 0 to {MAX_LATENCY_MS:g} ms")
     if args.key is not None and args.key.exists() and not args.key.is_file():
         raise UsageError(f"--key {args.key} is not a file")
     if getattr(args, "relay", False):
@@ -174,6 +179,7 @@ def check_node_args(args: argparse.Namespace) -> None:
                 not args.relay_mbps > 0:
             raise UsageError("--relay-max-circuits, --relay-circuit-mib and --relay-mbps "
                              "must be positive")
+    check_data_dir(args.data_dir)  # last: it creates the directory
 
 
 def reporter(name: str, args: argparse.Namespace) -> Any:

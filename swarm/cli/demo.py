@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarm.cli._node import MAX_LATENCY_MS, MAX_MBPS
 from swarm.engines import CHEAT_STRATEGIES
 from swarm.errors import SwarmError
 from swarm.selfcmd import swarm_argv
@@ -102,8 +103,20 @@ class DemoState:
 
 
 def run(args: argparse.Namespace) -> int:
+    from swarm.cli.trainer import check_workload
+
     if args.peers < 1 or args.regions < 1 or args.steps < 1:
         raise SwarmError("--peers, --regions and --steps must be at least 1")
+    check_workload(args)
+    for flag in ("uplink_mbps", "trainer_uplink_mbps"):
+        if not 0 <= getattr(args, flag) <= MAX_MBPS:
+            raise SwarmError(f"--{flag.replace('_', '-')} {getattr(args, flag):g}: must be "
+                             f"0 (no shaping) to {MAX_MBPS:g} Mbit/s")
+    if not 0 <= args.wan_latency_ms <= MAX_LATENCY_MS:
+        raise SwarmError(f"--wan-latency-ms {args.wan_latency_ms:g}: must be 0 to "
+                         f"{MAX_LATENCY_MS:g} ms")
+    if not args.timeout > 0:
+        raise SwarmError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     try:
         return asyncio.run(_main(args))
     except KeyboardInterrupt:
@@ -147,16 +160,27 @@ async def _main(args: argparse.Namespace) -> int:
         readers.append(asyncio.create_task(read(proc, base / f"{name}.log")))
         return proc
 
+    async def ready(proc: asyncio.subprocess.Process, name: str) -> dict[str, Any]:
+        """The node's ready event (other events until then are dropped); a node that
+        exits before it is ready ends the demo with the reason from its log."""
+        while True:
+            try:
+                ev = await asyncio.wait_for(events.get(), timeout=0.5)
+            except TimeoutError:
+                if proc.returncode is not None:
+                    raise SwarmError(_exited(name, proc.returncode, base)) from None
+                continue
+            if ev.get("event") == "ready" and ev.get("node") == name:
+                return ev
+
     t_start = time.perf_counter()
     join: list[str] = []
     if args.bootstrap_node:
-        await start(swarm_argv("bootstrap", "--data-dir", str(base / "bootstrap"), "--status-json",
-                         "--listen", "/ip4/127.0.0.1/tcp/0", "--run", "demo"), "bootstrap")
+        boot = await start(swarm_argv(
+            "bootstrap", "--data-dir", str(base / "bootstrap"), "--status-json",
+            "--listen", "/ip4/127.0.0.1/tcp/0", "--run", "demo"), "bootstrap")
         async with asyncio.timeout(120):
-            while not join:
-                ev = await events.get()
-                if ev.get("event") == "ready" and ev.get("node") == "bootstrap":
-                    join = ["--bootstrap", str(ev["addr"])]
+            join = ["--bootstrap", str((await ready(boot, "bootstrap"))["addr"])]
         print(f"bootstrap node at {join[1]}", flush=True)
     trainer = await start(swarm_argv(
         "trainer", "--data-dir", str(base / "trainer"), "--status-json",
@@ -189,10 +213,8 @@ async def _main(args: argparse.Namespace) -> int:
     ok = False
     try:
         async with asyncio.timeout(args.timeout):
-            while not st.addr:
-                ev = await events.get()
-                if ev.get("event") == "ready" and ev.get("node") == "trainer":
-                    st.addr, st.trainer_id = str(ev["addr"]), str(ev["peer_id"])
+            ev = await ready(trainer, "trainer")
+            st.addr, st.trainer_id = str(ev["addr"]), str(ev["peer_id"])
             display.line(f"trainer {st.trainer_id} at {st.addr}")
             for _ in range(args.peers):
                 await add_peer()
@@ -206,8 +228,7 @@ async def _main(args: argparse.Namespace) -> int:
                 except TimeoutError:
                     display.render(st, time.perf_counter() - t_start)
                     if trainer.returncode is not None:
-                        raise SwarmError("the trainer exited early; see "
-                                         f"{base / 'trainer.log'}") from None
+                        raise SwarmError(_exited("trainer", trainer.returncode, base)) from None
                     continue
                 step_reached = _apply(st, ev)
                 if step_reached is not None:
@@ -251,6 +272,19 @@ async def _main(args: argparse.Namespace) -> int:
     (base / "summary.json").write_text(json.dumps(_summary_json(st, elapsed), indent=2))
     print(f"\nplot: {base / 'demo.png'}   summary: {base / 'summary.json'}   logs: {base}/")
     return 0 if ok and verdict else 1
+
+
+def _exited(name: str, status: int, base: Path) -> str:
+    """Why the demo's ``name`` node stopped early: the last error its log shows."""
+    log_path = base / f"{name}.log"
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    reasons = [ln for ln in lines if ln.startswith("swarm: error: ")] or \
+        [ln for ln in lines if ln.strip() and not ln.startswith(("{", " "))]
+    reason = reasons[-1].removeprefix("swarm: error: ") if reasons else "no error logged"
+    return f"the {name} exited with status {status}: {reason} (its log: {log_path})"
 
 
 def _apply(st: DemoState, ev: dict[str, Any]) -> int | None:
@@ -389,6 +423,7 @@ def _summary(st: DemoState, elapsed: float) -> bool:
         print(f"{p.name:<10}{p.region:<8}{held:>18}{p.failures:>7}"
               f"{p.leases:>7}{mean:>12.2f}{mean_inst:>12.2f}  {state}")
     honest = [p for p in st.peers.values() if not p.killed and p.honest]
+    all_ok = all_ok and bool(honest)
     print(f"bit-exact: {sum(p.verified for p in honest)} version installs verified against "
           f"signed roots on {len(honest)} live peers; "
           f"{sum(p.failures for p in st.peers.values())} failures")

@@ -18,6 +18,7 @@ import asyncio
 import io
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swarm.cli._node import (
+    UsageError,
     add_node_arguments,
     load_identity,
     node_config,
@@ -80,9 +82,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write this node's full multiaddr to FILE once listening")
 
 
+def check_workload(args: argparse.Namespace) -> None:
+    """One clear error for an unusable flag of the GRPO task (``swarm demo`` passes the
+    same flags on to its trainer, and checks them with this before it starts anything)."""
+    if args.steps < 0:
+        raise UsageError(f"--steps {args.steps}: must be 0 or more")
+    if args.prompts < 1:
+        raise UsageError(f"--prompts {args.prompts}: must be at least 1")
+    if args.group < 2:
+        raise UsageError(f"--group {args.group}: must be at least 2 (GRPO compares the "
+                         "completions of one prompt with each other)")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr {args.lr:g}: must be a positive number")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_workload(args)
     if not 0.0 <= args.replay_fraction <= 1.0:
         raise SwarmError(f"--replay-fraction must be in [0, 1], not {args.replay_fraction:g}")
+    for flag, value, least in (("--min-peers", args.min_peers, 0),
+                               ("--chunk-kib", args.chunk_kib, 1),
+                               ("--keep-versions", args.keep_versions, 1)):
+        if value < least:
+            raise UsageError(f"{flag} {value}: must be at least {least}")
+    if not (math.isfinite(args.step_timeout) and args.step_timeout > 0):
+        raise UsageError(f"--step-timeout {args.step_timeout:g}: must be a positive number "
+                         "of seconds")
+    if not (math.isfinite(args.linger) and args.linger >= 0):
+        raise UsageError(f"--linger {args.linger:g}: must be 0 or more seconds")
     return run_node(_main, args)
 
 
@@ -151,10 +178,18 @@ async def _main(args: argparse.Namespace) -> int:
         rejected = Rejections(node)
         if first <= cfg.steps and len(_rollout_peers(net, args)) < args.min_peers:
             report.say(f"waiting for {args.min_peers} peer(s) (at most {args.step_timeout:g} s)")
-        async with asyncio.timeout(args.step_timeout):
-            # Bootstrap nodes are connected peers too, but do no rollout work.
-            while len(net.connected_peers()) < args.min_peers + len(args.bootstrap):
-                await asyncio.sleep(0.2)
+        try:
+            async with asyncio.timeout(args.step_timeout):
+                # Bootstrap nodes are connected peers too, but do no rollout work.
+                while len(net.connected_peers()) < args.min_peers + len(args.bootstrap):
+                    await asyncio.sleep(0.2)
+        except TimeoutError:
+            raise SwarmError(
+                f"{len(_rollout_peers(net, args))} of the {args.min_peers} rollout peer(s) "
+                f"of --min-peers joined within --step-timeout {args.step_timeout:g} s; "
+                "run this again (it resumes from "
+                f"{args.data_dir}) and start them with the `swarm peer ...` line it prints, "
+                "or wait longer with a larger --step-timeout") from None
         for step in range(first, cfg.steps + 1):
             t0 = time.perf_counter()
             prompts = rollout_prompts(cfg, step)
