@@ -95,6 +95,20 @@ def test_the_demo_says_why_its_trainer_stopped_at_once(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_swarm_folder_in_the_working_directory_does_not_shadow_the_demos_nodes(
+        tmp_path: Path) -> None:
+    # an installed `swarm` run inside a checkout: its nodes used to import the checkout
+    (tmp_path / "swarm").mkdir()
+    (tmp_path / "swarm" / "__init__.py").write_text('raise ImportError("the checkout")\n')
+    out = subprocess.run(
+        [sys.executable, "-P", "-m", "swarm", "demo", "--steps", "2", "--peers", "1",
+         "--prompts", "8", "--quiet", "--timeout", "120"],
+        cwd=tmp_path, text=True, capture_output=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert "every live peer verified every version: True" in out.stdout, out.stderr
+    assert "3 of 3" in out.stdout and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
 def test_a_trainer_no_peer_joins_says_so_and_how_to_go_on(tmp_path: Path) -> None:
     out = swarm("trainer", "--steps", "2", "--step-timeout", "2", "--data-dir", "t",
                 cwd=tmp_path)
