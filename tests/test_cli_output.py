@@ -82,6 +82,21 @@ def test_bad_workload_flags_are_one_error_line_before_anything_starts(
     assert not (tmp_path / ".demo").exists() and not (tmp_path / ".swarm").exists()
 
 
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--peers", "-3"], "--peers -3: must be at least 1 and at most 4096"),
+    (["--steps", "-2"], "--steps -2: must be at least 1 and at most 1000"),
+    (["--malicious", "2"], "--malicious 2: must be at least 0"),
+    (["--malicious", "nan"], "--malicious nan"),
+    (["--rollout", "0"], "--rollout 0: must be more than 0"),
+    (["--steps", "3", "--churn-per-min", "-1"], "--churn-per-min -1"),
+], ids=["peers", "steps", "malicious", "malicious-nan", "rollout", "churn"])
+def test_a_bad_simulate_flag_is_named_in_one_error_line(
+        tmp_path: Path, flags: list[str], needle: str) -> None:
+    # (before: "need at least one peer, one region, a trainer region" for --peers -3)
+    one_error_line(swarm("simulate", *flags, "--no-plot", cwd=tmp_path), needle)
+    assert not (tmp_path / "sim-out").exists()
+
+
 def test_the_demo_says_why_its_trainer_stopped_at_once(tmp_path: Path) -> None:
     # the trainer cannot use its data dir: the demo used to wait out its --timeout
     # (900 s) in silence, then print a FAIL summary saying every peer verified everything

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swarm.errors import LocalProtocolError
 from swarm.sim.plots import plot_sweep
-from swarm.sim.scenario import PRESETS, ChurnEvent, Scenario, load_toml
+from swarm.sim.scenario import MAX_PEERS, PRESETS, ChurnEvent, Scenario, load_toml
 
 
 def presets() -> dict[str, Scenario]:
@@ -60,7 +61,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
+#: Each numeric flag: the least value it takes, whether that value is excluded, and the
+#: most (None: no bound beyond the scenario's own checks).
+_FLAG_RANGES: dict[str, tuple[float, bool, float | None]] = {
+    "peers": (1, False, MAX_PEERS), "model_gb": (0, True, None), "ratio": (1, False, None),
+    "chunk_mib": (0.001, False, None), "rollout": (0, True, None),
+    "steps": (1, False, 1000), "trainer_step": (0, False, None), "staleness": (0, False, 64),
+    "churn_per_min": (0, False, 100), "away": (0, True, None), "malicious": (0, False, 0.99),
+    "crash": (0, False, None), "crash_at": (0, False, None), "join": (0, False, None),
+    "join_at": (0, False, None), "trainer_hosts": (1, False, None),
+}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """One error naming the flag, for a value out of its range (NaN included)."""
+    for field, (least, open_low, most) in _FLAG_RANGES.items():
+        value = getattr(args, field, None)
+        if value is None:
+            continue
+        low_ok = value > least if open_low else value >= least
+        if not (low_ok and (most is None or value <= most)):
+            bound = (f"more than {least:g}" if open_low else f"at least {least:g}") + (
+                "" if most is None else f" and at most {most:g}")
+            raise LocalProtocolError(f"--{field.replace('_', '-')} {value:g}: must be {bound}")
+
+
 def scenario_from_args(args: argparse.Namespace, base: Scenario | None = None) -> Scenario:
+    check_flags(args)
     sc = base if base is not None else presets()[args.preset]
     if args.config is not None:
         sc = load_toml(args.config, sc)
