@@ -155,7 +155,7 @@ class _Progress:
             return (f"step {f.get('step')} published: {human_bytes(f.get('bytes'))} delta "
                     f"({f.get('ratio')}x smaller), reward {f.get('reward')}, rollout "
                     f"{f.get('rollout_s')} s, {f.get('peers')} peer(s), leases issued "
-                    f"{issued}, trainer egress {human_bytes(f.get('egress'))}")
+                    f"{issued}, trainer egress so far {human_bytes(f.get('egress'))}")
         if event == "resumed":
             if "master" in f:
                 return f"resumed at step {f.get('step')} from the data dir"
