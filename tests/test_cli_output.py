@@ -82,6 +82,15 @@ def test_bad_workload_flags_are_one_error_line_before_anything_starts(
     assert not (tmp_path / ".demo").exists() and not (tmp_path / ".swarm").exists()
 
 
+def test_a_peer_started_in_the_trainers_directory_is_told_to_use_its_own(
+        tmp_path: Path) -> None:
+    trainer_id = Identity.load_or_create(tmp_path / ".swarm" / "node.key").peer_id
+    out = swarm("peer", "--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{trainer_id}",
+                "--trainer", trainer_id, cwd=tmp_path)
+    one_error_line(out, "--trainer is this peer's own id: its key .swarm/node.key",
+                   "give the peer a --data-dir of its own")
+
+
 @pytest.mark.parametrize(("flags", "needle"), [
     (["--peers", "-3"], "--peers -3: must be at least 1 and at most 4096"),
     (["--steps", "-2"], "--steps -2: must be at least 1 and at most 1000"),

@@ -122,7 +122,10 @@ async def _main(args: argparse.Namespace) -> int:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     identity = load_identity(args)
     if identity.peer_id == args.trainer:
-        raise UsageError("--trainer is this peer's own id (its key is the trainer's?)")
+        key = args.key or args.data_dir / "node.key"
+        raise UsageError(f"--trainer is this peer's own id: its key {key} is the trainer's "
+                         "(a peer started in the trainer's directory shares its default "
+                         "--data-dir); give the peer a --data-dir of its own")
     if args.base_weights is not None and not args.base_weights.is_dir():
         raise UsageError(f"--base-weights {args.base_weights}: not a directory")
     report = reporter(args.name, args)
