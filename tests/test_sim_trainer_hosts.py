@@ -138,4 +138,4 @@ def test_cli_refuses_a_bad_host_count(tmp_path: Path,
                "--out", str(tmp_path)])
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("swarm: error: trainer_hosts")
+    assert err == ["swarm: error: --trainer-hosts 0: must be at least 1"]
