@@ -151,6 +151,19 @@ def check_data_dir(path: Path) -> None:
         raise UsageError(f"--data-dir {path} is not writable: {exc.strerror or exc}") from None
 
 
+def check_link_flags(args: argparse.Namespace, *mbps_flags: str) -> None:
+    """The emulated WAN's flags: each of ``mbps_flags`` (attribute names) 0 to
+    :data:`MAX_MBPS`, and ``--wan-latency-ms`` 0 to :data:`MAX_LATENCY_MS` (NaN refused)."""
+    for flag in mbps_flags:
+        value = getattr(args, flag, None)
+        if value is not None and not 0 <= value <= MAX_MBPS:
+            raise UsageError(f"--{flag.replace('_', '-')} {value:g}: must be 0 to {MAX_MBPS:g} "
+                             "Mbit/s")
+    latency = getattr(args, "wan_latency_ms", 0.0)
+    if not 0 <= latency <= MAX_LATENCY_MS:
+        raise UsageError(f"--wan-latency-ms {latency:g}: must be 0 to {MAX_LATENCY_MS:g} ms")
+
+
 def check_node_args(args: argparse.Namespace) -> None:
     """One clear error for each unusable common flag, before anything heavy starts (and
     before the data directory is made)."""
@@ -162,14 +175,7 @@ def check_node_args(args: argparse.Namespace) -> None:
     if not 17 <= budget <= 1 << 20:
         raise UsageError(f"--buffer-budget-mib {budget}: must be 17 to 1048576 (it holds at "
                          "least one largest frame, 16 MiB)")
-    for flag in ("uplink_mbps", "upload_mbps"):
-        value = getattr(args, flag, None)
-        if value is not None and not 0 <= value <= MAX_MBPS:
-            raise UsageError(f"--{flag.replace('_', '-')} {value:g}: must be 0 to {MAX_MBPS:g} "
-                             "Mbit/s")
-    latency = getattr(args, "wan_latency_ms", 0.0)
-    if not 0 <= latency <= MAX_LATENCY_MS:
-        raise UsageError(f"--wan-latency-ms {latency:g}: must be 0 to {MAX_LATENCY_MS:g} ms")
+    check_link_flags(args, "uplink_mbps", "upload_mbps")
     if args.key is not None and args.key.exists() and not args.key.is_file():
         raise UsageError(f"--key {args.key} is not a file")
     if getattr(args, "relay", False):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swarm.cli._node import MAX_LATENCY_MS, MAX_MBPS
+from swarm.cli._node import check_link_flags
 from swarm.engines import CHEAT_STRATEGIES
 from swarm.errors import SwarmError
 from swarm.selfcmd import swarm_argv
@@ -108,13 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.peers < 1 or args.regions < 1 or args.steps < 1:
         raise SwarmError("--peers, --regions and --steps must be at least 1")
     check_workload(args)
-    for flag in ("uplink_mbps", "trainer_uplink_mbps"):
-        if not 0 <= getattr(args, flag) <= MAX_MBPS:
-            raise SwarmError(f"--{flag.replace('_', '-')} {getattr(args, flag):g}: must be "
-                             f"0 (no shaping) to {MAX_MBPS:g} Mbit/s")
-    if not 0 <= args.wan_latency_ms <= MAX_LATENCY_MS:
-        raise SwarmError(f"--wan-latency-ms {args.wan_latency_ms:g}: must be 0 to "
-                         f"{MAX_LATENCY_MS:g} ms")
+    check_link_flags(args, "uplink_mbps", "trainer_uplink_mbps")
     if not args.timeout > 0:
         raise SwarmError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     try:

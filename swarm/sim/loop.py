@@ -298,9 +298,7 @@ class _Loop:
         a = self.actors[i]
         a.catching = False
         a.held = max(a.held, len(self.published) - 1)
-        # it joins the batch after the one the others are generating: the trainer does not
-        # wait a whole rollout for an actor that came back after its batch started (with
-        # actors coming back every few seconds, it would otherwise hardly ever train)
+        # the batch after the one under way (see the module's docstring)
         j = self.next_step
         started = j < self.spec.steps and (self.tokens[j] > 0 or any(
             b.busy is not None and b.busy[0] == j for b in self.actors))
