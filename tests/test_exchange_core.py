@@ -30,6 +30,8 @@ from swarm.protocol.exchange_msgs import (
     Request,
     Suggest,
     Unchoke,
+    Want,
+    bits_of,
     decode,
     encode,
 )
@@ -373,7 +375,8 @@ def test_random_message_sequences_never_crash_the_core() -> None:
     msgs = st.lists(st.one_of(
         st.builds(Have, obj, idx), st.builds(Request, obj, idx),
         st.builds(Cancel, obj, idx), st.builds(Reject, obj, idx),
-        st.builds(Suggest, obj, idx), st.just(Choke()), st.just(Unchoke()),
+        st.builds(Suggest, obj, idx), st.builds(Want, obj, idx), st.just(Choke()),
+        st.just(Unchoke()),
         st.builds(Piece, obj, idx, st.sampled_from([chunks[0], chunks[1], b"junk"])),
         st.builds(Bitfield, obj, st.just(5), st.binary(min_size=1, max_size=1)),
     ), max_size=40)
@@ -751,3 +754,95 @@ def test_a_mate_whose_region_comes_after_the_connection_shares_the_imports(
         assert 4 <= len(asked) <= 12
     else:
         assert asked == set(range(16))
+
+
+def _importer_here(spec: ObjectSpec, remote: Exchange) -> Exchange:
+    """``remote`` holds nothing yet; return a peer in region asia that imports every chunk
+    into its region first (a directory's ranks), linked to it and to the trainer."""
+    far = Exchange("far", region="asia", seed=2, config=ExchangeConfig(unchoke_remote=True))
+    far.add_object(spec, 0.0)
+    far.use_directory(lambda obj, idx: 0,
+                      lambda region, obj, idx: picker.peer_key(
+                          {"us": remote.me, "asia": "far"}[region]))
+    far.connect("t", 0.0, region="us", rtt=0.18, trainer=True)
+    n = len(spec.sizes)
+    far.receive("t", Bitfield(spec.obj, n, bits_of(set(range(n)), n)), 0.0)
+    return far
+
+
+def _remote_holder(spec: ObjectSpec, name: str = "mid") -> Exchange:
+    mid = Exchange(name, region="us", seed=1, config=ExchangeConfig(unchoke_remote=True))
+    mid.add_object(spec, 0.0)
+    mid.connect("t", 0.0, region="us", trainer=True)  # its chunks come from there
+    return mid
+
+
+def test_a_first_importer_wants_its_chunks_ahead_and_gets_them_with_no_request() -> None:
+    """A region's first importer of a chunk that only the trainer holds asks a remote
+    first importer for it ahead (``Want``): that one sends it the moment it lands there,
+    one one-way latency later, instead of have, request and piece."""
+    spec, chunks = make_object(6)
+    net = Net()
+    mid = net.add(_remote_holder(spec))
+    far = net.add(_importer_here(spec, mid))
+    far.connect("mid", 0.0, region="us", rtt=0.18)
+    mid.connect("far", 0.0, region="asia", rtt=0.18)
+    net.run(0.0)
+    wanted = {m.index for src, dst, m in net.sent if src == "far" and isinstance(m, Want)}
+    assert wanted == set(range(6))
+    assert not any(isinstance(m, Reject) for src, _, m in net.sent if src == "mid")
+    for i, c in enumerate(chunks):  # the chunks land at mid (from its trainer)
+        mid.receive("t", Piece(spec.obj, i, c), 0.1)
+        net.run(0.1)
+    assert far.is_complete(spec.obj)
+    assert not any(isinstance(m, Request) for src, _, m in net.sent if src == "far")
+    assert len([m for _, dst, m in net.sent if dst == "far" and isinstance(m, Piece)]) == 6
+    assert far.bytes_wasted == 0
+
+
+def test_a_want_gives_way_to_a_holder_that_announces_the_chunk_first() -> None:
+    """Another neighbour announcing a wanted chunk first serves it; the want is
+    cancelled, so the remote first importer does not send a second copy."""
+    spec, chunks = make_object(2)
+    net = Net()
+    mid = net.add(_remote_holder(spec))
+    far = net.add(_importer_here(spec, mid))
+    far.connect("mid", 0.0, region="us", rtt=0.18)
+    mid.connect("far", 0.0, region="asia", rtt=0.18)
+    net.run(0.0)
+    other = net.add(Exchange("other", region="eu", seed=3,
+                             config=ExchangeConfig(unchoke_remote=True)))
+    other.add_object(spec, 0.0, {0: chunks[0]})
+    far.connect("other", 0.0, region="eu", rtt=0.01)
+    other.connect("far", 0.0, region="asia", rtt=0.01)
+    net.run(0.0)
+    assert (far.me, "mid", Cancel(spec.obj, 0)) in net.sent
+    assert far.has(spec.obj, 0)
+    mid.receive("t", Piece(spec.obj, 0, chunks[0]), 0.1)
+    net.run(0.1)
+    assert far.bytes_wasted == 0
+    assert not any(isinstance(m, Piece) for src, dst, m in net.sent
+                   if src == "mid" and dst == "far")
+
+
+def test_wants_are_bounded_and_refused_when_they_cannot_be_kept() -> None:
+    """A neighbour keeps at most ``max_queue`` requests and wants with us; a want of an
+    unknown object, from a choked neighbour or past the bound is refused, and dropping
+    the object refuses those kept."""
+    spec, _ = make_object(4)
+    mid = Exchange("mid", region="us", config=ExchangeConfig(unchoke_remote=True, max_queue=2))
+    mid.add_object(spec, 0.0)
+    mid.connect("far", 0.0, region="asia")
+    mid.connect("mate", 0.0, region="us")
+    mid.take_outgoing()
+    for i in range(3):
+        mid.receive("far", Want(spec.obj, i), 0.0)
+    mid.receive("far", Want(bytes(32), 0), 0.0)
+    mid.receive("mate", Want(spec.obj, 0), 0.0)
+    assert mid.take_outgoing() == [("far", Reject(spec.obj, 2)), ("far", Reject(bytes(32), 0)),
+                                   ("mate", Reject(spec.obj, 0))]
+    mid.receive("far", Cancel(spec.obj, 1), 0.0)
+    mid.receive("far", Want(spec.obj, 3), 0.0)  # room again
+    mid.remove_object(spec.obj)
+    refused = [m for _, m in mid.take_outgoing() if isinstance(m, Reject)]
+    assert sorted(m.index for m in refused) == [0, 3]

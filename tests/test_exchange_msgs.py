@@ -22,6 +22,7 @@ from swarm.protocol.exchange_msgs import (
     Request,
     Suggest,
     Unchoke,
+    Want,
     bits_of,
     decode,
     encode,
@@ -41,7 +42,7 @@ def bitfields(draw: st.DrawFn) -> Bitfield:
 
 messages = st.one_of(
     st.builds(Have, objs, idx), st.builds(Request, objs, idx), st.builds(Cancel, objs, idx),
-    st.builds(Reject, objs, idx), st.builds(Suggest, objs, idx),
+    st.builds(Reject, objs, idx), st.builds(Suggest, objs, idx), st.builds(Want, objs, idx),
     st.builds(Piece, objs, idx, st.binary(max_size=2048)),
     st.just(Choke()), st.just(Unchoke()), bitfields(),
 )

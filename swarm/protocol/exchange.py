@@ -53,6 +53,7 @@ from swarm.protocol.exchange_msgs import (
     Request,
     Suggest,
     Unchoke,
+    Want,
     bits_of,
     decode,
     indices_of,
@@ -131,7 +132,7 @@ class Exchange(DownloadSide, UploadSide):
         self._slow_locals: frozenset[str] = frozenset()
         self._remotes: list[PeerState] = []
         self._import_s = 0.0
-        self._keys: set[int] | None = None
+        self._keys: dict[int, PeerState] | None = None
         self._regions: list[str] = []
         self._unchokers: dict[str, PeerState] = {}
         self._rank_of: ImportRank | None = None
@@ -346,6 +347,11 @@ class Exchange(DownloadSide, UploadSide):
             if o is not None:
                 for idx in idxs:
                     o.pending[idx] -= 1
+        for o in self._objects.values():
+            for idx in [i for i, q in o.wanted.items() if q == peer]:
+                del o.wanted[idx]
+            for idx in [i for i, who in o.wanted_by.items() if peer in who]:
+                o.wanted_by[idx].remove(peer)
         self._update_interest(now)
         self._pick(now)
         self._super_seed(now)
@@ -447,8 +453,13 @@ class Exchange(DownloadSide, UploadSide):
         refused (``Reject``); later messages about it are treated like those about any
         unknown object.
         """
-        if self._objects.pop(obj, None) is None:
+        gone = self._objects.pop(obj, None)
+        if gone is None:
             return
+        for idx, who in gone.wanted_by.items():
+            for peer in who:
+                self._peers[peer].wants -= 1
+                self._out.append((peer, Reject(obj, idx)))
         for p in self._peers.values():
             p.haves.pop(obj, None)
             p.common.pop(obj, None)
@@ -522,11 +533,17 @@ class Exchange(DownloadSide, UploadSide):
         elif isinstance(msg, Cancel):
             with contextlib.suppress(ValueError):
                 p.queue.remove((msg.obj, msg.index))
+            self._drop_want(p, msg.obj, msg.index)
+        elif isinstance(msg, Want):
+            self._on_want(p, msg, now)
         elif isinstance(msg, Reject):
             key = (msg.obj, msg.index)
+            o = self._objects.get(msg.obj)
+            if o is not None and o.wanted.get(msg.index) == p.peer:
+                del o.wanted[msg.index]  # a want refused: the usual picking takes over
+                self._pick(now)
             if key in p.out:
                 del p.out[key]
-                o = self._objects.get(msg.obj)
                 if o is not None:
                     self._drop_inflight(o, msg.index, p.peer)
                     if not p.trainer:
@@ -581,6 +598,14 @@ class Exchange(DownloadSide, UploadSide):
                     o.local[idx] += 1
                 o.first_seen.setdefault(idx, now)
                 o.last_progress = now
+        if o.wanted.get(idx) == p.peer:
+            # it holds what I asked it for ahead: the piece is on its way
+            del o.wanted[idx]
+            if idx not in o.have:
+                p.out[(obj, idx)] = now
+                heapq.heappush(self._deadlines, (now + self.config.request_timeout, now,
+                                                 p.peer, obj, idx))
+                o.inflight.setdefault(idx, {})[p.peer] = now
         if (o.complete_at is None and not p.trainer and idx not in o.have
                 and idx not in o.inflight):
             self._pick_one(o, idx, p, now)
@@ -632,6 +657,8 @@ class Exchange(DownloadSide, UploadSide):
         data = o.data[msg.index] = bytes(msg.data)  # received: bytes already, not copied
         o.last_progress = o.last_chunk = now
         o.suggested.discard(msg.index)
+        o.wanted.pop(msg.index, None)
+        self._serve_wants(o, msg.index)
         for other in o.inflight.pop(msg.index, {}):
             if other != p.peer:
                 q = self._peers.get(other)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 
 from swarm.protocol import picker
-from swarm.protocol.exchange_msgs import Cancel, Request
+from swarm.protocol.exchange_msgs import Cancel, Request, Want
 from swarm.protocol.exchange_state import ExchangeState, ObjectState, PeerState
 
 
@@ -110,8 +110,12 @@ class DownloadSide(ExchangeState):
                     src = self._choose_source(o, idx, local_peers, now, ())
                     if src is not None:
                         self._request(o, idx, src, now)
-            # so do my first imports into the region: the region waits on them
+            # so do my first imports into the region: the region waits on them (each
+            # wanted ahead of a remote first importer while only the trainer holds it)
             for idx in self._firsts(o):
+                if (idx not in o.have and idx not in o.inflight and idx not in o.wanted
+                        and all(peers[h].trainer for h in o.holders[idx])):
+                    self._want_ahead(o, idx)
                 if idx not in o.have and idx not in o.inflight and not o.local[idx] \
                         and not o.holders[idx].isdisjoint(roomy):
                     src = self._choose_source(o, idx, local_peers, now, ())
@@ -180,12 +184,32 @@ class DownloadSide(ExchangeState):
                     budget -= o.spec.sizes[idx]
 
     def _request(self, o: ObjectState, idx: int, src: str, now: float) -> None:
+        ahead = o.wanted.pop(idx, None)
+        if ahead is not None and ahead != src:
+            self._out.append((ahead, Cancel(o.spec.obj, idx)))
         p = self._peers[src]
         p.out[(o.spec.obj, idx)] = now
         heapq.heappush(self._deadlines, (now + self.config.request_timeout, now, src,
                                          o.spec.obj, idx))
         o.inflight.setdefault(idx, {})[src] = now
         self._out.append((src, Request(o.spec.obj, idx)))
+
+    def _want_ahead(self, o: ObjectState, idx: int) -> None:
+        """Ask my remote neighbour that first imports ``idx`` into its region to send it
+        the moment it holds it (:class:`Want`), before anyone outside the trainer does:
+        the import then costs one one-way latency after it lands there, not the three of
+        have, request and piece. Which region is a function of the chunk, so a region's
+        first imports come over all of its WAN links at once, not one."""
+        first = self._importer_of
+        keys = self._neighbour_keys()
+        regions = [r for r in self._regions if r != self.region]
+        if first is None or not regions:
+            return
+        key = first(regions[(idx + self._key) % len(regions)], o.spec.obj, idx)
+        p = keys.get(key) if key is not None else None
+        if p is not None:
+            o.wanted[idx] = p.peer
+            self._out.append((p.peer, Want(o.spec.obj, idx)))
 
     def _eta(self, p: PeerState, size: int) -> float:
         return p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0)

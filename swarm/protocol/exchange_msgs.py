@@ -69,6 +69,14 @@ class Suggest:
 
 
 @dataclass(frozen=True, slots=True)
+class Want:
+    """Send chunk ``index`` of ``obj`` once you hold it (a standing request)."""
+
+    obj: bytes
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class Piece:
     """The bytes of chunk ``index`` of ``obj`` (as received: ``bytes``; as sent, also a
     read-only view of a state the sender holds)."""
@@ -88,10 +96,11 @@ class Unchoke:
     """The sender will serve the receiver's requests."""
 
 
-Message = Bitfield | Have | Request | Cancel | Reject | Suggest | Piece | Choke | Unchoke
+Message = (Bitfield | Have | Request | Cancel | Reject | Suggest | Piece | Choke | Unchoke
+           | Want)
 
-_INDEXED: dict[int, type[Have | Request | Cancel | Reject | Suggest]] = {
-    1: Have, 2: Request, 3: Cancel, 4: Reject, 5: Suggest,
+_INDEXED: dict[int, type[Have | Request | Cancel | Reject | Suggest | Want]] = {
+    1: Have, 2: Request, 3: Cancel, 4: Reject, 5: Suggest, 9: Want,
 }
 _TAG_OF: dict[type[Any], int] = {v: k for k, v in _INDEXED.items()}
 _BITFIELD, _PIECE, _CHOKE, _UNCHOKE = 0, 6, 7, 8

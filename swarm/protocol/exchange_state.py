@@ -50,6 +50,10 @@ class ObjectState:
     # super-seeding (trainer side): times each chunk was suggested, suggestions pending
     times_suggested: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
+    wanted: dict[int, str] = field(default_factory=dict)
+    """Chunks I asked a neighbour to send once it holds them (:class:`Want`): whom."""
+    wanted_by: dict[int, list[str]] = field(default_factory=dict)
+    """Chunks not held yet that neighbours want from me, and who."""
     tiebreaks: list[int] = field(default_factory=list)
     """``picker.tiebreak(salt, i)`` of every chunk ``i`` (fixed per node and object)."""
 
@@ -82,6 +86,8 @@ class PeerState:
     sent_recent: int = 0
     bytes_from: int = 0
     bytes_to: int = 0
+    wants: int = 0
+    """Chunks it wants from us that we do not hold yet."""
     strikes: int = 0
     """Time-outs since it last delivered a piece; while above 0 it is snubbed: one
     request in flight at most, and the last choice of source."""
@@ -140,13 +146,23 @@ class ExchangeState:
     _importer_of: Importer | None
     _unchokers: dict[str, PeerState]
     """The neighbours that unchoke us (``choked_us`` false), in the order they did."""
-    _keys: set[int] | None
-    """The neighbours' peer keys (see ``_neighbour_keys``); ``None`` until computed."""
+    _keys: dict[int, PeerState] | None
+    """The neighbours by peer key (see ``_neighbour_keys``); ``None`` until computed."""
     _regions: list[str]
+    """The regions of the neighbours other than the trainer, sorted (computed with
+    ``_keys``)."""
     bytes_up: int
     bytes_down: int
     bytes_wasted: int
     bans: list[tuple[str, str]]
+
+    def _neighbour_keys(self) -> dict[int, PeerState]:
+        """The neighbours by peer key (and ``_regions``, theirs), cached until one comes
+        or goes."""
+        if self._keys is None:
+            self._keys = {q.key: q for q in self._peers.values()}
+            self._regions = sorted({q.region for q in self._peers.values() if not q.trainer})
+        return self._keys
 
     def _is_local(self, p: PeerState) -> bool:
         return p.region == self.region and not p.trainer

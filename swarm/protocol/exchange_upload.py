@@ -9,7 +9,7 @@ first copy going to the region's importer).
 from __future__ import annotations
 
 from swarm.protocol import picker
-from swarm.protocol.exchange_msgs import Choke, Piece, Reject, Request, Suggest, Unchoke
+from swarm.protocol.exchange_msgs import Choke, Piece, Reject, Request, Suggest, Unchoke, Want
 from swarm.protocol.exchange_state import ExchangeState, ObjectState, PeerState
 
 
@@ -59,6 +59,43 @@ class UploadSide(ExchangeState):
             return
         p.queue.append((msg.obj, msg.index))
         self._ready.add(p.peer)
+
+    def _on_want(self, p: PeerState, msg: Want, now: float) -> None:
+        """A standing request: served like a request if we hold the chunk, else kept
+        (within the queue bound) and queued the moment it arrives."""
+        o = self._objects.get(msg.obj)
+        if o is not None and msg.index in o.have:
+            self._on_request(p, Request(msg.obj, msg.index), now)
+            return
+        if (o is None or msg.index >= len(o.spec.sizes) or p.we_choke
+                or len(p.queue) + p.wants >= self.config.max_queue):
+            self._out.append((p.peer, Reject(msg.obj, msg.index)))
+            return
+        who = o.wanted_by.setdefault(msg.index, [])
+        if p.peer not in who:
+            who.append(p.peer)
+            p.wants += 1
+
+    def _drop_want(self, p: PeerState, obj: bytes, idx: int) -> None:
+        """``p`` cancelled a want (it got the chunk elsewhere)."""
+        o = self._objects.get(obj)
+        who = None if o is None else o.wanted_by.get(idx)
+        if who and p.peer in who:
+            who.remove(p.peer)
+            p.wants -= 1
+
+    def _serve_wants(self, o: ObjectState, idx: int) -> None:
+        """A chunk arrived: queue it for the neighbours that asked for it ahead."""
+        for peer in o.wanted_by.pop(idx, ()):
+            p = self._peers.get(peer)
+            if p is None:
+                continue
+            p.wants -= 1
+            if p.we_choke or len(p.queue) >= self.config.max_queue:
+                self._out.append((p.peer, Reject(o.spec.obj, idx)))
+                continue
+            p.queue.append((o.spec.obj, idx))
+            self._ready.add(p.peer)
 
     def _interested(self, p: PeerState) -> bool:
         """Does ``p`` lack something we hold? (Never a trainer: it fetches nothing.)"""
@@ -201,14 +238,6 @@ class UploadSide(ExchangeState):
             else:
                 out.append(i)
         return out
-
-    def _neighbour_keys(self) -> set[int]:
-        """The neighbours' peer keys (and ``_regions``, theirs), cached until one comes
-        or goes."""
-        if self._keys is None:
-            self._keys = {q.key for q in self._peers.values()}
-            self._regions = sorted({q.region for q in self._peers.values() if not q.trainer})
-        return self._keys
 
     def _seeding(self, o: ObjectState) -> bool:
         """Super-seed ``o``: we hold all of it, or our share of it and fetch nothing."""
