@@ -92,6 +92,9 @@ class DownloadSide(ExchangeState):
         cfg = self.config
         if not cfg.fetch:
             return
+        if self._importer_of is not None:
+            for o in self._objects.values():
+                self._want_firsts(o)
         roomy = {h for h, p in self._unchokers.items()
                  if p.depth > len(p.out)}  # _room(p) > 0
         if not roomy:
@@ -110,12 +113,8 @@ class DownloadSide(ExchangeState):
                     src = self._choose_source(o, idx, local_peers, now, ())
                     if src is not None:
                         self._request(o, idx, src, now)
-            # so do my first imports into the region: the region waits on them (each
-            # wanted ahead of a remote first importer while only the trainer holds it)
+            # so do my first imports into the region: the region waits on them
             for idx in self._firsts(o):
-                if (idx not in o.have and idx not in o.inflight and idx not in o.wanted
-                        and all(peers[h].trainer for h in o.holders[idx])):
-                    self._want_ahead(o, idx)
                 if idx not in o.have and idx not in o.inflight and not o.local[idx] \
                         and not o.holders[idx].isdisjoint(roomy):
                     src = self._choose_source(o, idx, local_peers, now, ())
@@ -194,22 +193,29 @@ class DownloadSide(ExchangeState):
         o.inflight.setdefault(idx, {})[src] = now
         self._out.append((src, Request(o.spec.obj, idx)))
 
-    def _want_ahead(self, o: ObjectState, idx: int) -> None:
-        """Ask my remote neighbour that first imports ``idx`` into its region to send it
-        the moment it holds it (:class:`Want`), before anyone outside the trainer does:
-        the import then costs one one-way latency after it lands there, not the three of
-        have, request and piece. Which region is a function of the chunk, so a region's
-        first imports come over all of its WAN links at once, not one."""
+    def _want_firsts(self, o: ObjectState) -> None:
+        """Of the chunks I first import into my region, ask for each that nobody but the
+        trainer holds yet, ahead (:class:`Want`), of my remote neighbour that first
+        imports it into its region: it sends the chunk the moment it lands there, one
+        one-way latency later, instead of after have, request and piece. Which region
+        is a function of the chunk, so a region's first imports come over all of its WAN
+        links at once, not one. Asked as soon as the neighbours are known, not when one
+        first unchokes us (remote ones never choke with ``unchoke_remote``)."""
         first = self._importer_of
         keys = self._neighbour_keys()
         regions = [r for r in self._regions if r != self.region]
         if first is None or not regions:
             return
-        key = first(regions[(idx + self._key) % len(regions)], o.spec.obj, idx)
-        p = keys.get(key) if key is not None else None
-        if p is not None:
-            o.wanted[idx] = p.peer
-            self._out.append((p.peer, Want(o.spec.obj, idx)))
+        peers = self._peers
+        for idx in self._firsts(o):
+            if (idx in o.have or idx in o.inflight or idx in o.wanted
+                    or not all(peers[h].trainer for h in o.holders[idx])):
+                continue
+            key = first(regions[(idx + self._key) % len(regions)], o.spec.obj, idx)
+            p = keys.get(key) if key is not None else None
+            if p is not None:
+                o.wanted[idx] = p.peer
+                self._out.append((p.peer, Want(o.spec.obj, idx)))
 
     def _eta(self, p: PeerState, size: int) -> float:
         return p.rtt + (len(p.out) + 1) * size / max(p.rate, 1.0)
