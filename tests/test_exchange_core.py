@@ -846,3 +846,26 @@ def test_wants_are_bounded_and_refused_when_they_cannot_be_kept() -> None:
     mid.remove_object(spec.obj)
     refused = [m for _, m in mid.take_outgoing() if isinstance(m, Reject)]
     assert sorted(m.index for m in refused) == [0, 3]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_re_ranking_keeps_serving_the_slowest_download_it_is_serving(seed: int) -> None:
+    """With slots going round the region-mates (``unchoke_remote``), the one served most
+    lately is next to be choked; but the slowest downloads decide when the region is
+    done, so one of them with requests waiting here keeps its slot."""
+    spec, chunks = make_object(6)
+    h = Exchange("h", region="r", seed=seed,
+                 config=ExchangeConfig(unchoke_remote=True, upload_slots=2))
+    h.add_object(spec, 0.0, dict(enumerate(chunks)))
+    h.connect("slow", 0.0, region="r", download=0.3e9 / 8)
+    h.receive("slow", Bitfield(spec.obj, 6, bits_of(set(), 6)), 0.0)
+    h.receive("slow", Request(spec.obj, 0), 0.0)
+    h.receive("slow", Request(spec.obj, 1), 0.0)
+    assert h.next_upload("slow", 0.0) == Piece(spec.obj, 0, chunks[0])
+    for name in ("fast1", "fast2", "fast3"):
+        h.connect(name, 0.0, region="r", download=1e9 / 8)
+        h.receive(name, Bitfield(spec.obj, 6, bits_of(set(), 6)), 0.0)
+    h.take_outgoing()
+    h.handle_timer(1.0)  # a re-ranking
+    assert not [m for dst, m in h.take_outgoing() if dst == "slow"]
+    assert h.next_upload("slow", 1.0) == Piece(spec.obj, 1, chunks[1])

@@ -131,6 +131,7 @@ class Exchange(DownloadSide, UploadSide):
         self._locals: list[str] | None = None  # same-region neighbours, see _local_peers
         self._slow_locals: frozenset[str] = frozenset()
         self._remotes: list[PeerState] = []
+        self._slowest: frozenset[str] = frozenset()
         self._import_s = 0.0
         self._keys: dict[int, PeerState] | None = None
         self._regions: list[str] = []

@@ -49,22 +49,6 @@ class DownloadSide(ExchangeState):
                      max(4 * self._avg, int(cfg.download_rate * cfg.inflight_window)))
         return window - self._inflight_bytes()
 
-    def _local_peers(self) -> list[str]:
-        """Same-region neighbours other than the trainer (cached until one comes or goes;
-        callers must not modify the list)."""
-        if self._locals is None:
-            self._locals = [p.peer for p in self._peers.values()
-                            if p.region == self.region and not p.trainer]
-            # the trainer's advertised uplink shared by every peer of the region
-            share = max((p.upload for p in self._peers.values() if p.trainer),
-                        default=0.0) / (len(self._locals) + 1)
-            self._slow_locals = frozenset(
-                h for h in self._locals
-                if self._hardly_uploads(self._peers[h], self._avg, share))
-            self._remotes = [p for p in self._peers.values()
-                             if p.region != self.region and not p.trainer]
-        return self._locals
-
     def _pick_one(self, o: ObjectState, idx: int, p: PeerState, now: float) -> None:
         """``p`` announced ``idx``: request it if ``p`` can take a request and budget is
         left (a busy ``p`` is reconsidered by the next full pick, when a slot frees)."""
@@ -340,17 +324,6 @@ class DownloadSide(ExchangeState):
             return trainer.peer
         self._set_wake(ready)
         return None
-
-    def _hardly_uploads(self, p: PeerState, size: int, share: float) -> bool:
-        """``p`` advertises an upload too slow to deliver a chunk of ``size`` bytes
-        within ``last_resort_delay`` even with no other request queued, and slower than
-        ``share``, the trainer's advertised uplink split over every peer of the region
-        (so the trainer serves each of them faster, even if all ask it): ``p`` is the
-        last choice of source. (Advertised capacities, not measured rates: those also
-        count the time requests wait in a queue, and a busy fast neighbour is no reason
-        to go to the trainer; nor is a thin uplink when the trainer's is as thin.)"""
-        return 0 < p.upload < share and \
-            p.rtt + size / p.upload > self.config.last_resort_delay
 
     @staticmethod
     def _sending_me_suggested(o: ObjectState, trainer: PeerState) -> bool:

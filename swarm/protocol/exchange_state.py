@@ -137,6 +137,9 @@ class ExchangeState:
     """Those of them that can hardly upload (computed with ``_locals``)."""
     _remotes: list[PeerState]
     """Neighbours in other regions other than the trainer (computed with ``_locals``)."""
+    _slowest: frozenset[str]
+    """Same-region neighbours whose advertised download is within 25% of the slowest
+    among them (computed with ``_locals``)."""
     _import_s: float
     """Average time from request to arrival of the chunks this node imported from other
     regions (0: none yet): how long the next import rank should give the one before."""
@@ -163,6 +166,37 @@ class ExchangeState:
             self._keys = {q.key: q for q in self._peers.values()}
             self._regions = sorted({q.region for q in self._peers.values() if not q.trainer})
         return self._keys
+
+    def _local_peers(self) -> list[str]:
+        """Same-region neighbours other than the trainer (cached until one comes or goes,
+        with ``_slow_locals``, ``_remotes`` and ``_slowest``; callers must not modify the
+        list)."""
+        if self._locals is None:
+            self._locals = [p.peer for p in self._peers.values()
+                            if p.region == self.region and not p.trainer]
+            # the trainer's advertised uplink shared by every peer of the region
+            share = max((p.upload for p in self._peers.values() if p.trainer),
+                        default=0.0) / (len(self._locals) + 1)
+            self._slow_locals = frozenset(
+                h for h in self._locals
+                if self._hardly_uploads(self._peers[h], self._avg, share))
+            self._remotes = [p for p in self._peers.values()
+                             if p.region != self.region and not p.trainer]
+            downs = {h: self._peers[h].download for h in self._locals}
+            floor = min((d for d in downs.values() if d > 0), default=0.0)
+            self._slowest = frozenset(h for h, d in downs.items() if 0 < d <= 1.25 * floor)
+        return self._locals
+
+    def _hardly_uploads(self, p: PeerState, size: int, share: float) -> bool:
+        """``p`` advertises an upload too slow to deliver a chunk of ``size`` bytes
+        within ``last_resort_delay`` even with no other request queued, and slower than
+        ``share``, the trainer's advertised uplink split over every peer of the region
+        (so the trainer serves each of them faster, even if all ask it): ``p`` is the
+        last choice of source. (Advertised capacities, not measured rates: those also
+        count the time requests wait in a queue, and a busy fast neighbour is no reason
+        to go to the trainer; nor is a thin uplink when the trainer's is as thin.)"""
+        return 0 < p.upload < share and \
+            p.rtt + size / p.upload > self.config.last_resort_delay
 
     def _is_local(self, p: PeerState) -> bool:
         return p.region == self.region and not p.trainer
