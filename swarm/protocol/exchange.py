@@ -599,7 +599,7 @@ class Exchange(DownloadSide, UploadSide):
                     o.local[idx] += 1
                 o.first_seen.setdefault(idx, now)
                 o.last_progress = now
-        if o.wanted.get(idx) == p.peer:
+        if o.wanted and o.wanted.get(idx) == p.peer:
             # it holds what I asked it for ahead: the piece is on its way
             del o.wanted[idx]
             if idx not in o.have:
