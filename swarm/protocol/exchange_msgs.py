@@ -70,7 +70,10 @@ class Suggest:
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """Send chunk ``index`` of ``obj`` once you hold it (a standing request)."""
+    """Send chunk ``index`` of ``obj`` once you hold it: a standing request, served like
+    a :class:`Request` when the sender already holds the chunk, else kept (counted in the
+    same per-neighbour queue bound) and queued the moment the chunk arrives; refused with
+    :class:`Reject` when it cannot be kept, withdrawn with :class:`Cancel`."""
 
     obj: bytes
     index: int
