@@ -869,3 +869,25 @@ def test_a_re_ranking_keeps_serving_the_slowest_download_it_is_serving(seed: int
     h.handle_timer(1.0)  # a re-ranking
     assert not [m for dst, m in h.take_outgoing() if dst == "slow"]
     assert h.next_upload("slow", 1.0) == Piece(spec.obj, 1, chunks[1])
+
+
+def test_a_chunk_only_the_trainer_holds_is_asked_of_it_once_half_the_object_is_in() -> None:
+    """The trainer's only copy of a chunk went to a peer that its neighbours banned: no
+    neighbour will ever announce it, and the rest of the swarm moving on never looks
+    like a stall. Holding half of the object, a peer asks the trainer for it after
+    ``last_resort_delay`` (its import rank first), while other chunks still arrive."""
+    spec, chunks = make_object(6)
+    me = Exchange("me", region="r", seed=1)
+    me.add_object(spec, 0.0)
+    me.connect("t", 0.0, region="r", trainer=True)
+    me.receive("t", Bitfield(spec.obj, 6, bits_of(set(range(6)), 6)), 0.0)
+    me.receive("t", Unchoke(), 0.0)
+    me.connect("mate", 0.0, region="r")
+    me.receive("mate", Bitfield(spec.obj, 6, bits_of(set(range(5)), 6)), 0.0)
+    me.receive("mate", Unchoke(), 0.0)
+    for i, t in enumerate((0.1, 0.2, 0.3, 1.2, 1.5)):  # half the object at 0.3 s
+        me.receive("mate", Piece(spec.obj, i, chunks[i]), t)
+        if t < 1.5:
+            assert ("t", Request(spec.obj, 5)) not in me.take_outgoing()
+    me.handle_timer(1.5)
+    assert ("t", Request(spec.obj, 5)) in me.take_outgoing()

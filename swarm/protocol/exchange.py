@@ -657,6 +657,8 @@ class Exchange(DownloadSide, UploadSide):
             c[msg.obj] = c.get(msg.obj, 0) + 1
         data = o.data[msg.index] = bytes(msg.data)  # received: bytes already, not copied
         o.last_progress = o.last_chunk = now
+        if o.half_at is None and 2 * len(o.have) >= len(o.spec.sizes):
+            o.half_at = now
         o.suggested.discard(msg.index)
         o.wanted.pop(msg.index, None)
         self._serve_wants(o, msg.index)

@@ -319,7 +319,13 @@ class DownloadSide(ExchangeState):
         if self._sending_me_suggested(o, trainer):
             return None
         if idx not in o.poisoned:
-            ready = max(ready, o.last_progress + cfg.last_resort_delay)
+            stalled = o.last_progress + cfg.last_resort_delay
+            if o.half_at is not None:
+                # nobody near holds it though I hold half of the object: its copies went
+                # to peers since dropped (a corrupt first importer that all its neighbours
+                # banned); the rest of the swarm moving on never looks like a stall
+                stalled = min(stalled, o.half_at + cfg.last_resort_delay + rank * wait)
+            ready = max(ready, stalled)
         if now >= ready:
             return trainer.peer
         self._set_wake(ready)
