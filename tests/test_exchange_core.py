@@ -871,11 +871,13 @@ def test_a_re_ranking_keeps_serving_the_slowest_download_it_is_serving(seed: int
     assert h.next_upload("slow", 1.0) == Piece(spec.obj, 1, chunks[1])
 
 
-def test_a_chunk_only_the_trainer_holds_is_asked_of_it_once_half_the_object_is_in() -> None:
+def test_a_chunk_nobody_announces_is_asked_of_the_trainer_once_no_new_chunk_turns_up(
+        ) -> None:
     """The trainer's only copy of a chunk went to a peer that its neighbours banned: no
     neighbour will ever announce it, and the rest of the swarm moving on never looks
-    like a stall. Holding half of the object, a peer asks the trainer for it after
-    ``last_resort_delay`` (its import rank first), while other chunks still arrive."""
+    like a stall. Once no chunk new to a peer has been announced for
+    ``last_resort_delay`` (the trainer has handed out every first copy), the peer asks
+    the trainer for it (its import rank first), while other chunks still arrive."""
     spec, chunks = make_object(6)
     me = Exchange("me", region="r", seed=1)
     me.add_object(spec, 0.0)
@@ -883,11 +885,34 @@ def test_a_chunk_only_the_trainer_holds_is_asked_of_it_once_half_the_object_is_i
     me.receive("t", Bitfield(spec.obj, 6, bits_of(set(range(6)), 6)), 0.0)
     me.receive("t", Unchoke(), 0.0)
     me.connect("mate", 0.0, region="r")
-    me.receive("mate", Bitfield(spec.obj, 6, bits_of(set(range(5)), 6)), 0.0)
     me.receive("mate", Unchoke(), 0.0)
-    for i, t in enumerate((0.1, 0.2, 0.3, 1.2, 1.5)):  # half the object at 0.3 s
+    for i in range(5):  # the mate announces its chunks one by one, the last at 0.4 s
+        me.receive("mate", Have(spec.obj, i), 0.1 * i)
+    for i, t in enumerate((0.5, 0.8, 1.1, 1.3)):
         me.receive("mate", Piece(spec.obj, i, chunks[i]), t)
-        if t < 1.5:
-            assert ("t", Request(spec.obj, 5)) not in me.take_outgoing()
-    me.handle_timer(1.5)
+        assert ("t", Request(spec.obj, 5)) not in me.take_outgoing()
+    me.handle_timer(1.6)  # 0.4 s + last_resort_delay + at most one import rank's wait
     assert ("t", Request(spec.obj, 5)) in me.take_outgoing()
+
+
+def test_the_trainer_hands_out_again_a_first_copy_that_does_not_spread() -> None:
+    """A first copy held by one peer for longer than a stall takes is not spreading (its
+    holder may be a corrupt peer that everyone else banned): the trainer suggests the
+    chunk to another peer even past its upload budget."""
+    spec, chunks = make_object(2)
+    t = Exchange("t", region="r", seed=1, config=ExchangeConfig(
+        unchoke_all=True, super_seed=True, super_seed_budget=0.0))
+    t.add_object(spec, 0.0, dict(enumerate(chunks)))
+    for name in ("a", "b"):
+        t.connect(name, 0.0, region="r")
+        t.receive(name, Bitfield(spec.obj, 2, bits_of(set(), 2)), 0.0)
+    suggested = [(dst, m.index) for dst, m in t.take_outgoing() if isinstance(m, Suggest)]
+    assert sorted(i for _, i in suggested) == [0, 1]  # one first copy each
+    holder, idx = suggested[0]
+    other = "b" if holder == "a" else "a"
+    t.receive(holder, Have(spec.obj, idx), 0.1)
+    t.receive(other, Have(spec.obj, 1 - idx), 0.1)
+    t.receive(other, Have(spec.obj, 1 - idx), 0.5)
+    assert (other, Suggest(spec.obj, idx)) not in t.take_outgoing()  # over budget
+    t.handle_timer(1.2)
+    assert (other, Suggest(spec.obj, idx)) in t.take_outgoing()

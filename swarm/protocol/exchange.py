@@ -193,6 +193,7 @@ class Exchange(DownloadSide, UploadSide):
         n = len(spec.sizes)
         o = ObjectState(spec, now, set(), {}, [0] * n, [0] * n, [set() for _ in range(n)],
                  times_suggested=[0] * n, pending=[0] * n, last_progress=now, last_chunk=now,
+                 last_new=now,
                  avg_size=max(1, spec.total_bytes // max(1, n)),
                  tiebreaks=[picker.tiebreak(self._salt, i) for i in range(n)])
         for i, d in (data or {}).items():
@@ -526,7 +527,7 @@ class Exchange(DownloadSide, UploadSide):
                 # exchanges it. Once per object and connection, so never a ping-pong.
                 self._send_bitfield(p, o)
             if self.config.super_seed:
-                self._suggest_to(p, o)
+                self._suggest_to(p, o, now)
             self._update_interest(now)
             self._pick(now)
         elif isinstance(msg, Request):
@@ -597,7 +598,10 @@ class Exchange(DownloadSide, UploadSide):
             if not p.trainer:
                 if p.region == self.region:
                     o.local[idx] += 1
-                o.first_seen.setdefault(idx, now)
+                if idx not in o.first_seen:
+                    o.first_seen[idx] = now
+                    if idx not in o.have:
+                        o.last_new = now
                 o.last_progress = now
         if o.wanted and o.wanted.get(idx) == p.peer:
             # it holds what I asked it for ahead: the piece is on its way
@@ -611,7 +615,7 @@ class Exchange(DownloadSide, UploadSide):
                 and idx not in o.inflight):
             self._pick_one(o, idx, p, now)
         if self.config.super_seed:
-            self._suggest_to(p, o)
+            self._suggest_to(p, o, now)
 
     @staticmethod
     def _check_index(o: ObjectState, index: int) -> None:
@@ -657,8 +661,6 @@ class Exchange(DownloadSide, UploadSide):
             c[msg.obj] = c.get(msg.obj, 0) + 1
         data = o.data[msg.index] = bytes(msg.data)  # received: bytes already, not copied
         o.last_progress = o.last_chunk = now
-        if o.half_at is None and 2 * len(o.have) >= len(o.spec.sizes):
-            o.half_at = now
         o.suggested.discard(msg.index)
         o.wanted.pop(msg.index, None)
         self._serve_wants(o, msg.index)
@@ -740,6 +742,9 @@ class Exchange(DownloadSide, UploadSide):
         if p.region == self.region and not p.trainer:  # _is_local
             o.local[idx] += 1
         if not p.trainer:
-            o.first_seen.setdefault(idx, now)
+            if idx not in o.first_seen:
+                o.first_seen[idx] = now
+                if idx not in o.have:
+                    o.last_new = now
             o.last_progress = now
 

@@ -319,13 +319,12 @@ class DownloadSide(ExchangeState):
         if self._sending_me_suggested(o, trainer):
             return None
         if idx not in o.poisoned:
-            stalled = o.last_progress + cfg.last_resort_delay
-            if o.half_at is not None:
-                # nobody near holds it though I hold half of the object: its copies went
-                # to peers since dropped (a corrupt first importer that all its neighbours
-                # banned); the rest of the swarm moving on never looks like a stall
-                stalled = min(stalled, o.half_at + cfg.last_resort_delay + rank * wait)
-            ready = max(ready, stalled)
+            # the swarm has stalled, or no chunk new to me has turned up for as long: the
+            # trainer has handed out every first copy, and this one went to peers since
+            # dropped (a corrupt first importer that all its neighbours had banned), so
+            # nobody will announce it, while the swarm moving on never looks stalled
+            ready = max(ready, min(o.last_progress, o.last_new + rank * wait)
+                        + cfg.last_resort_delay)
         if now >= ready:
             return trainer.peer
         self._set_wake(ready)

@@ -47,8 +47,9 @@ class ObjectState:
     avg_size: int = 1
     last_progress: float = 0.0
     last_chunk: float = 0.0
-    half_at: float | None = None
-    """When I came to hold half of the chunks (``None``: not yet)."""
+    last_new: float = 0.0
+    """When a neighbour other than the trainer last announced a chunk nobody had
+    announced to me before."""
     # super-seeding (trainer side): times each chunk was suggested, suggestions pending
     times_suggested: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)

@@ -272,9 +272,9 @@ class UploadSide(ExchangeState):
             for p in peers:
                 if sum(o.pending) >= self.config.suggest_total:
                     break
-                self._suggest_to(p, o)
+                self._suggest_to(p, o, now)
 
-    def _suggest_to(self, p: PeerState, o: ObjectState) -> None:
+    def _suggest_to(self, p: PeerState, o: ObjectState, now: float) -> None:
         """Top up ``p``'s suggestions: chunks never handed out first, then (within the
         upload budget) chunks held by at most one neighbour."""
         cfg = self.config
@@ -301,9 +301,14 @@ class UploadSide(ExchangeState):
         mine = range(n) if not o.missing else sorted(o.have)
         fresh = [i for i in mine if o.times_suggested[i] == 0 and i not in theirs]
         cands = [i for i in fresh if self._importer(o, p, i) == p.key]
-        if not cands and budget_left:
+        if not cands:
+            # held by one neighbour at most, within the upload budget; or held by one
+            # for longer than a stall takes, whatever the budget: that copy is not
+            # spreading (a corrupt first importer that all its neighbours had banned)
             cands = [i for i in mine if i not in theirs and i not in outstanding
-                     and o.pending[i] == 0 and o.availability[i] <= 1]
+                     and o.pending[i] == 0 and o.availability[i] <= 1
+                     and (budget_left
+                          or o.first_seen.get(i, now) <= now - cfg.last_resort_delay)]
             if self._importer_of is not None:
                 cands = self._not_theirs_first(o, cands)
         if not cands and not outstanding:
