@@ -770,11 +770,19 @@ def _importer_here(spec: ObjectSpec, remote: Exchange) -> Exchange:
     return far
 
 
-def _remote_holder(spec: ObjectSpec, name: str = "mid") -> Exchange:
-    mid = Exchange(name, region="us", seed=1, config=ExchangeConfig(unchoke_remote=True))
+def _linked(spec: ObjectSpec) -> tuple[Net, Exchange, Exchange]:
+    """``mid`` in us, which holds nothing yet and gets its chunks from its trainer, and
+    ``far`` (see ``_importer_here``), linked and past their bitfields."""
+    net = Net()
+    mid = net.add(Exchange("mid", region="us", seed=1,
+                           config=ExchangeConfig(unchoke_remote=True)))
     mid.add_object(spec, 0.0)
-    mid.connect("t", 0.0, region="us", trainer=True)  # its chunks come from there
-    return mid
+    mid.connect("t", 0.0, region="us", trainer=True)
+    far = net.add(_importer_here(spec, mid))
+    far.connect("mid", 0.0, region="us", rtt=0.18)
+    mid.connect("far", 0.0, region="asia", rtt=0.18)
+    net.run(0.0)
+    return net, mid, far
 
 
 def test_a_first_importer_wants_its_chunks_ahead_and_gets_them_with_no_request() -> None:
@@ -782,12 +790,7 @@ def test_a_first_importer_wants_its_chunks_ahead_and_gets_them_with_no_request()
     first importer for it ahead (``Want``): that one sends it the moment it lands there,
     one one-way latency later, instead of have, request and piece."""
     spec, chunks = make_object(6)
-    net = Net()
-    mid = net.add(_remote_holder(spec))
-    far = net.add(_importer_here(spec, mid))
-    far.connect("mid", 0.0, region="us", rtt=0.18)
-    mid.connect("far", 0.0, region="asia", rtt=0.18)
-    net.run(0.0)
+    net, mid, far = _linked(spec)
     wanted = {m.index for src, dst, m in net.sent if src == "far" and isinstance(m, Want)}
     assert wanted == set(range(6))
     assert not any(isinstance(m, Reject) for src, _, m in net.sent if src == "mid")
@@ -804,12 +807,7 @@ def test_a_want_gives_way_to_a_holder_that_announces_the_chunk_first() -> None:
     """Another neighbour announcing a wanted chunk first serves it; the want is
     cancelled, so the remote first importer does not send a second copy."""
     spec, chunks = make_object(2)
-    net = Net()
-    mid = net.add(_remote_holder(spec))
-    far = net.add(_importer_here(spec, mid))
-    far.connect("mid", 0.0, region="us", rtt=0.18)
-    mid.connect("far", 0.0, region="asia", rtt=0.18)
-    net.run(0.0)
+    net, mid, far = _linked(spec)
     other = net.add(Exchange("other", region="eu", seed=3,
                              config=ExchangeConfig(unchoke_remote=True)))
     other.add_object(spec, 0.0, {0: chunks[0]})
