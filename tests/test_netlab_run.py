@@ -121,7 +121,9 @@ def test_netlab_natted_peers_verify_every_version(tmp_path: Path, listen: list[s
 
 def _start_lab(tmp_path: Path) -> tuple[subprocess.Popen[str], Lines, str, list[int]]:
     with (tmp_path / "lab.stderr").open("w") as err:
-        proc = subprocess.Popen(_swarm("lab", "run", "--peers", "2", "--steps", "20",
+        # far more versions than the test lets it reach: the signal must find it mid-run,
+        # not already tearing down (with signals held) on a fast machine
+        proc = subprocess.Popen(_swarm("lab", "run", "--peers", "2", "--steps", "500",
                                        "--keep", str(tmp_path / "work"), "--timeout", "90"),
                                 stdout=subprocess.PIPE, stderr=err, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -152,10 +154,12 @@ def test_netlab_sigkill_then_cleanup_leaves_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_netlab_signal_tears_down(tmp_path: Path, sig: signal.Signals) -> None:
     proc, lines, prefix, pids = _start_lab(tmp_path)
-    proc.send_signal(sig)
-    lines.wait(rf"lab {prefix}: removed \d+ namespace", 60)
-    assert proc.wait(30) == 130
-    lines.close()
+    try:
+        proc.send_signal(sig)
+        lines.wait(rf"lab {prefix}: removed \d+ namespace", 60)
+        assert proc.wait(30) == 130
+    finally:
+        lines.close()
     err = (tmp_path / "lab.stderr").read_text()
     assert "Traceback" not in err and "swarm: interrupted" in err
     assert _gone(pids)
