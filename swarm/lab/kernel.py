@@ -208,6 +208,7 @@ class Lab:
     grace: float = 10.0
     _built: bool = False
     _old_term: object = None
+    _old_int: object = None
 
     def __enter__(self) -> Self:
         check_available()
@@ -216,6 +217,10 @@ class Lab:
             self.say(f"removed leftovers of {len(stale)} earlier lab run(s): "
                      f"{', '.join(stale)}")
         self._old_term = signal.signal(signal.SIGTERM, _raise_stop) \
+            if _main_thread() else None
+        # Ctrl-C as well, even where it came in ignored (a job a script started in the
+        # background): Python then installs no handler, and the lab ran on to its end
+        self._old_int = signal.signal(signal.SIGINT, signal.default_int_handler) \
             if _main_thread() else None
         try:
             _claim(self.plan.prefix)
@@ -291,6 +296,9 @@ class Lab:
         if self._old_term is not None and _main_thread():
             signal.signal(signal.SIGTERM, self._old_term)  # type: ignore[arg-type]
             self._old_term = None
+        if self._old_int is not None and _main_thread():
+            signal.signal(signal.SIGINT, self._old_int)  # type: ignore[arg-type]
+            self._old_int = None
 
 
 def _burst(mbps: float) -> str:
