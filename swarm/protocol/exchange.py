@@ -607,10 +607,7 @@ class Exchange(DownloadSide, UploadSide):
             # it holds what I asked it for ahead: the piece is on its way
             del o.wanted[idx]
             if idx not in o.have:
-                p.out[(obj, idx)] = now
-                heapq.heappush(self._deadlines, (now + self.config.request_timeout, now,
-                                                 p.peer, obj, idx))
-                o.inflight.setdefault(idx, {})[p.peer] = now
+                self._track(o, idx, p, now)
         if (o.complete_at is None and not p.trainer and idx not in o.have
                 and idx not in o.inflight):
             self._pick_one(o, idx, p, now)

@@ -170,12 +170,16 @@ class DownloadSide(ExchangeState):
         ahead = o.wanted.pop(idx, None)
         if ahead is not None and ahead != src:
             self._out.append((ahead, Cancel(o.spec.obj, idx)))
-        p = self._peers[src]
-        p.out[(o.spec.obj, idx)] = now
-        heapq.heappush(self._deadlines, (now + self.config.request_timeout, now, src,
-                                         o.spec.obj, idx))
-        o.inflight.setdefault(idx, {})[src] = now
+        self._track(o, idx, self._peers[src], now)
         self._out.append((src, Request(o.spec.obj, idx)))
+
+    def _track(self, o: ObjectState, idx: int, p: PeerState, now: float) -> None:
+        """``idx`` is on its way from ``p`` (requested now, or wanted ahead and just
+        announced): in flight, with a time-out."""
+        p.out[(o.spec.obj, idx)] = now
+        heapq.heappush(self._deadlines, (now + self.config.request_timeout, now, p.peer,
+                                         o.spec.obj, idx))
+        o.inflight.setdefault(idx, {})[p.peer] = now
 
     def _want_firsts(self, o: ObjectState) -> None:
         """Of the chunks I first import into my region, ask for each that nobody but the
@@ -186,15 +190,17 @@ class DownloadSide(ExchangeState):
         links at once, not one. Asked as soon as the neighbours are known, not when one
         first unchokes us (remote ones never choke with ``unchoke_remote``)."""
         first = self._importer_of
+        peers = self._peers
+        todo = [idx for idx in self._firsts(o)
+                if idx not in o.have and idx not in o.inflight and idx not in o.wanted
+                and all(peers[h].trainer for h in o.holders[idx])]
+        if first is None or not todo:
+            return
         keys = self._neighbour_keys()
         regions = [r for r in self._regions if r != self.region]
-        if first is None or not regions:
+        if not regions:
             return
-        peers = self._peers
-        for idx in self._firsts(o):
-            if (idx in o.have or idx in o.inflight or idx in o.wanted
-                    or not all(peers[h].trainer for h in o.holders[idx])):
-                continue
+        for idx in todo:
             key = first(regions[(idx + self._key) % len(regions)], o.spec.obj, idx)
             p = keys.get(key) if key is not None else None
             if p is not None:

@@ -275,8 +275,9 @@ class UploadSide(ExchangeState):
                 self._suggest_to(p, o, now)
 
     def _suggest_to(self, p: PeerState, o: ObjectState, now: float) -> None:
-        """Top up ``p``'s suggestions: chunks never handed out first, then (within the
-        upload budget) chunks held by at most one neighbour."""
+        """Top up ``p``'s suggestions: chunks never handed out first, then chunks held by
+        at most one neighbour (within the upload budget, or past it when that one has
+        held it for ``last_resort_delay``)."""
         cfg = self.config
         theirs = p.haves.get(o.spec.obj)
         n = len(o.spec.sizes)
