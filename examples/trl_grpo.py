@@ -126,7 +126,8 @@ def main(a: argparse.Namespace) -> int:
     swarm = attach(trainer, SwarmConfig(run=RUN, data_dir=work / "trainer",
                                         listen=a.listen, min_peers=a.peers,
                                         model_dir=model_dir, record_digests=True,
-                                        linger=a.linger))
+                                        linger=a.linger, replay_fraction=a.replay_fraction,
+                                        collect_timeout=a.collect_timeout))
     print("trainer at", swarm.address)
     print("peers join with:", swarm.join_command)
     peers: list[Peer] = []
@@ -185,6 +186,10 @@ if __name__ == "__main__":
     ap.add_argument("--workdir", type=Path, default=Path(".trl-grpo"))
     ap.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
     ap.add_argument("--linger", type=float, default=30.0)
+    ap.add_argument("--collect-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="most seconds a batch waits for its completions")
+    ap.add_argument("--replay-fraction", type=float, default=0.1,
+                    help="share of the tasks the trainer generates again to check them")
     args = ap.parse_args()
     try:
         sys.exit(main(args))

@@ -378,3 +378,42 @@ async def test_collect_of_a_steps_tasks_returns_theirs_and_keeps_later_results_o
         assert [r.task_id for a in late for r in a.results] == [old[0].task_id]
         with pytest.raises(TimeoutError):
             await trainer.collect(old, timeout=0.2)
+
+
+def test_the_replay_policy_is_built_as_a_peer_builds_its_model_not_copied_from_the_master(
+) -> None:
+    """A training framework patches its model: accelerate wraps ``forward`` on the
+    instance, closing over the module it wrapped. A copy of such a master runs the live
+    float32 master, so every replay of an honest bf16 peer differed (TRL's GRPOTrainer
+    banned both of its honest peers). The policy must compute what a peer computes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swarm.engines.hf_model import model_from_config
+    from swarm.engines.rollout_check import policy_builder
+    from swarm.hf.model import qwen3_config
+
+    fields = qwen3_config("2M", 64, eos=1, pad=0)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        master = AutoModelForCausalLM.from_config(config)  # the float32 master
+    original = master.forward
+
+    def to_fp32(*args: object, **kwargs: object) -> object:  # as accelerate patches it
+        return original(*args, **kwargs)
+
+    master.forward = to_fp32
+    state = {k: v.to(torch.bfloat16) for k, v in master.state_dict().items()}
+    build = policy_builder(master)
+    peer = model_from_config(config, torch.bfloat16)
+    peer.load_state_dict(state)
+    prompt = [5, 9, 17, 3, 30, 2]
+    sampling = Sampling(temperature=1.0, max_tokens=8, seed=11)
+    for version in range(2):  # the first is built from the config, the next copied
+        policy = build(state)
+        assert next(policy.parameters()).dtype == torch.bfloat16
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            assert torch.equal(policy(input_ids=ids).logits, peer(input_ids=ids).logits)
+        mine = TorchEngine(policy).generate([prompt] * 4, sampling)  # type: ignore[arg-type]
+        assert mine == TorchEngine(peer).generate([prompt] * 4, sampling), version

@@ -1,7 +1,8 @@
 """TRL's GRPOTrainer generating through swarm, as a user runs it: ``examples/trl_grpo.py``
 trains a tiny Qwen3 for 3 steps with 2 ``swarm peer`` processes generating. TRL logs its
 loss and reward each step; every peer verifies every version, and its engine's per-tensor
-digests equal the trainer's for that version. The run needs the ``trl`` extra
+digests equal the trainer's for that version; the trainer replays every task, and no
+honest completion is rejected. The run needs the ``trl`` extra
 (``make test-trl``); the version
 check does not."""
 
@@ -22,10 +23,13 @@ STEPS = 3
 @pytest.mark.timeout(600)
 def test_trl_grpo_trains_with_two_swarm_peers_generating(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--workdir",
-                          str(tmp_path / "w"), "--warm-start", "40", "--linger", "30"],
+                          str(tmp_path / "w"), "--warm-start", "40", "--linger", "30",
+                          "--replay-fraction", "1", "--collect-timeout", "120"],
                          capture_output=True, text=True, timeout=540, cwd=tmp_path)
     out = run.stdout.splitlines()
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    # every task replayed by the trainer: an honest peer's tokens are the replay's
+    assert "rejected" not in run.stderr, run.stderr[-3000:]
     # TRL's own logging, once a step: its loss, reward and the sampling correction that
     # uses the peers' log-probs; swarm's metrics beside them
     logs = [line for line in out if line.startswith("trl log step ")]

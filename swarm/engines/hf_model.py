@@ -98,10 +98,21 @@ def build_model(card: RunCard, dtype: torch.dtype = torch.float32, *, seed: int 
                 ) -> PreTrainedModel:
     """The card's model, randomly initialised under ``seed`` (the global RNG is left as
     it was), in ``dtype``, in eval mode, with the KV cache on."""
+    return model_from_config(hf_config(card), dtype, seed=seed)
+
+
+def model_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float32, *,
+                      seed: int = 0) -> PreTrainedModel:
+    """A causal LM of ``config`` built as a peer builds its card's: initialised in float32
+    under ``seed`` (the global RNG is left as it was), then cast to ``dtype`` (buffers
+    computed at init, such as rotary frequencies, are cast the same way), in eval mode,
+    with the KV cache on. ``config`` is not changed."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM
-    config = hf_config(card)
+    config = copy.deepcopy(config)
     config.use_cache = True
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

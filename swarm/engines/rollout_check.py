@@ -30,6 +30,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import blake3
 import torch
@@ -313,14 +314,28 @@ class PolicyWindow:
 
 def policy_builder(model: torch.nn.Module) -> Callable[[Mapping[str, torch.Tensor]],
                                                        torch.nn.Module]:
-    """``build`` for :class:`PolicyWindow` from a transformers model: per version, a copy
-    of it in the state's dtype holding the state (keys as ``model.state_dict()``'s, which
-    is what ``swarm.inference_state`` publishes)."""
+    """``build`` for :class:`PolicyWindow` from a transformers model: per version, a model
+    of its config in the state's dtype holding the state (keys as ``model.state_dict()``'s,
+    which is what ``swarm.inference_state`` publishes).
+
+    The policy is built as a peer builds the run card's model
+    (:func:`~swarm.engines.hf_model.model_from_config`), not copied from ``model``: a
+    training framework patches its model (accelerate wraps ``forward`` to run in float32
+    and closes over the original module), and a copy would run the live training weights.
+    The first version pays one initialisation; later ones copy the previous policy.
+    """
+    last: list[torch.nn.Module] = []
 
     def build(state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        from swarm.engines.hf_model import model_from_config
+
         dtype = next(iter(state.values())).dtype
-        policy = copy.deepcopy(model).to(dtype)
+        if last and next(iter(last[0].state_dict().values())).dtype == dtype:
+            policy = copy.deepcopy(last[0])
+        else:
+            policy = model_from_config(cast(Any, model).config, dtype)
         policy.load_state_dict(dict(state))
-        return policy
+        last[:] = [policy]
+        return policy.eval()
 
     return build

@@ -60,9 +60,12 @@ class SwarmConfig:
     """Versions a result may lag behind the latest: 0 is on-policy, as TRL is with vLLM
     (a peer still on the previous version updates before its results count)."""
     check_rollouts: bool = True
-    """Recompute each result's log-probs under its version, and replay a tenth of the
+    """Recompute each result's log-probs under its version, and replay a share of the
     tasks (:class:`~swarm.engines.rollout_check.PolicyWindow`): a peer that lies does not
     reach the loss. Costs about one forward pass per completion on the trainer."""
+    replay_fraction: float = 0.1
+    """Share of the tasks of torch peers the trainer generates again with their seed
+    (chosen at random; each costs the trainer that task's generation)."""
     collect_timeout: float = 600.0
     """Most seconds a batch may wait for its completions."""
     min_peers: int = 1
@@ -86,6 +89,8 @@ class SwarmConfig:
             raise ValueError("max_staleness and min_peers are >= 0")
         if not self.collect_timeout > 0 or not self.peer_timeout > 0 or self.linger < 0:
             raise ValueError("collect_timeout and peer_timeout > 0, linger >= 0")
+        if not 0.0 <= self.replay_fraction <= 1.0:
+            raise ValueError("replay_fraction is in [0, 1]")
 
 
 @dataclass(slots=True)
@@ -261,7 +266,7 @@ class SwarmGeneration(NodeThread):
         checks: list[Any] = []
         if cfg.check_rollouts:
             self._policies = PolicyWindow(policy_builder(self.model), keep=cfg.max_staleness + 2)
-            checks = self._policies.checks(cfg.dtype)
+            checks = self._policies.checks(cfg.dtype, replay_fraction=cfg.replay_fraction)
         parts = cfg.listen.split("/")
         host = parts[2] if len(parts) > 2 else "127.0.0.1"
         async with Libp2pNode(me, NodeConfig(listen=cfg.listen, run=cfg.run,
@@ -358,8 +363,8 @@ class SwarmGeneration(NodeThread):
         except TimeoutError:
             raise SwarmError(
                 f"no completions for {len(tasks)} prompts within {cfg.collect_timeout:.0f} s "
-                f"({len(self._net.connected_peers())} peers connected; join with: "
-                f"{self.join_command})") from None
+                f"({len(self._net.connected_peers())} peers connected{self._bans()}; join "
+                f"with: {self.join_command})") from None
         finally:
             watch.cancel()
         results = {r.task_id: r for a in accepted for r in a.results}
@@ -375,10 +380,21 @@ class SwarmGeneration(NodeThread):
             await asyncio.sleep(every)
             book = self._node.leases
             log.warning(
-                "swarm: batch %d has waited %.0f s for %d prompts: %d peers connected, "
+                "swarm: batch %d has waited %.0f s for %d prompts: %d peers connected%s, "
                 "%d tasks queued, %d leases live; lease book %s", batch,
                 time.monotonic() - t0, prompts, len(self._net.connected_peers()),
-                book.queued, len(book.live_leases()), book.stats.as_dict())
+                self._bans(), book.queued, len(book.live_leases()), book.stats.as_dict())
+
+    def _bans(self) -> str:
+        """``", N of them banned (...)"``: connected peers whose results failed the
+        checks until the lease book banned them, and the last failure; empty when none."""
+        scores = self._node.leases.scores
+        banned = [p for p in self._net.connected_peers() if scores.banned(p)]
+        if not banned:
+            return ""
+        last = self._node.rejected[-1].reason if self._node.rejected else "?"
+        return (f", {len(banned)} of them banned after failed rollout checks (the last: "
+                f"{last})")
 
     async def _linger(self) -> None:
         from swarm.cli.trainer import wait_delivered
