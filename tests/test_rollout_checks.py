@@ -383,9 +383,10 @@ async def test_collect_of_a_steps_tasks_returns_theirs_and_keeps_later_results_o
 def test_the_replay_policy_is_built_as_a_peer_builds_its_model_not_copied_from_the_master(
 ) -> None:
     """A training framework patches its model: accelerate wraps ``forward`` on the
-    instance, closing over the module it wrapped. A copy of such a master runs the live
-    float32 master, so every replay of an honest bf16 peer differed (TRL's GRPOTrainer
-    banned both of its honest peers). The policy must compute what a peer computes."""
+    instance, closing over the module it wrapped, and may pick another attention kernel.
+    A copy of such a master runs the live float32 master, so replays of an honest bf16 peer
+    differed (TRL's GRPOTrainer banned both of its honest peers). The policy must compute
+    what a peer computes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from swarm.engines.hf_model import model_from_config
@@ -397,15 +398,16 @@ def test_the_replay_policy_is_built_as_a_peer_builds_its_model_not_copied_from_t
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         master = AutoModelForCausalLM.from_config(config)  # the float32 master
+    peer = model_from_config(config, torch.bfloat16)  # as from the run card, before the patches
     original = master.forward
 
     def to_fp32(*args: object, **kwargs: object) -> object:  # as accelerate patches it
         return original(*args, **kwargs)
 
     master.forward = to_fp32
+    master.config._attn_implementation = "eager"  # a runtime setting the card does not carry
     state = {k: v.to(torch.bfloat16) for k, v in master.state_dict().items()}
     build = policy_builder(master)
-    peer = model_from_config(config, torch.bfloat16)
     peer.load_state_dict(state)
     prompt = [5, 9, 17, 3, 30, 2]
     sampling = Sampling(temperature=1.0, max_tokens=8, seed=11)

@@ -41,9 +41,15 @@ class CardUnsupported(SwarmError):
 
 def hf_config(card: RunCard) -> PretrainedConfig:
     """The card's ``config.json`` as a transformers config object."""
+    return config_of(card.model_config)
+
+
+def config_of(config_json: Mapping[str, Any]) -> PretrainedConfig:
+    """A ``config.json``'s fields as a transformers config object, as a peer reads its
+    card's (what ``model_type`` names; the architectures and version are not used)."""
     from transformers import AutoConfig
 
-    fields = dict(card.model_config)
+    fields = dict(config_json)
     model_type = fields.pop("model_type")
     for key in ("transformers_version", "architectures"):
         fields.pop(key, None)
@@ -221,6 +227,14 @@ def card_for(run: str, *, config: str, files: tuple[tuple[str, bytes], ...], dty
     deltas use this build's codec."""
     return RunCard(run, config, tuple(sorted(files)), dtype, version0.layout_digest,
                    CODEC_NAME, version0.target_root, version0.piece_size, stop_token_ids)
+
+
+def like_a_peer(model: Any, dtype: torch.dtype) -> PreTrainedModel:
+    """The model a peer builds for a run card of the transformers ``model`` (from its
+    ``config.json``, with :func:`model_from_config`), in ``dtype``, with random weights:
+    none of the patches, wrappers or runtime settings (such as the attention kernel) a
+    training framework put on ``model`` come along."""
+    return model_from_config(config_of(json.loads(model_config_json(model))), dtype)
 
 
 def model_config_json(model: Any) -> str:

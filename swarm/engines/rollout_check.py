@@ -30,7 +30,6 @@ import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
 
 import blake3
 import torch
@@ -319,7 +318,7 @@ def policy_builder(model: torch.nn.Module) -> Callable[[Mapping[str, torch.Tenso
     which is what ``swarm.inference_state`` publishes).
 
     The policy is built as a peer builds the run card's model
-    (:func:`~swarm.engines.hf_model.model_from_config`), not copied from ``model``: a
+    (:func:`~swarm.engines.hf_model.like_a_peer`), not copied from ``model``: a
     training framework patches its model (accelerate wraps ``forward`` to run in float32
     and closes over the original module), and a copy would run the live training weights.
     The first version pays one initialisation; later ones copy the previous policy.
@@ -327,13 +326,13 @@ def policy_builder(model: torch.nn.Module) -> Callable[[Mapping[str, torch.Tenso
     last: list[torch.nn.Module] = []
 
     def build(state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-        from swarm.engines.hf_model import model_from_config
+        from swarm.engines.hf_model import like_a_peer
 
         dtype = next(iter(state.values())).dtype
         if last and next(iter(last[0].state_dict().values())).dtype == dtype:
             policy = copy.deepcopy(last[0])
         else:
-            policy = model_from_config(cast(Any, model).config, dtype)
+            policy = like_a_peer(model, dtype)
         policy.load_state_dict(dict(state))
         last[:] = [policy]
         return policy.eval()
