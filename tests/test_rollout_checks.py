@@ -419,3 +419,10 @@ def test_the_replay_policy_is_built_as_a_peer_builds_its_model_not_copied_from_t
             assert torch.equal(policy(input_ids=ids).logits, peer(input_ids=ids).logits)
         mine = TorchEngine(policy).generate([prompt] * 4, sampling)  # type: ignore[arg-type]
         assert mine == TorchEngine(peer).generate([prompt] * 4, sampling), version
+
+
+def test_the_policy_builder_refuses_a_module_without_a_transformers_config() -> None:
+    from swarm.engines.rollout_check import policy_builder
+
+    with pytest.raises(TypeError, match=r"needs a transformers model .* not a Linear"):
+        policy_builder(torch.nn.Linear(2, 2))

@@ -322,7 +322,13 @@ def policy_builder(model: torch.nn.Module) -> Callable[[Mapping[str, torch.Tenso
     training framework patches its model (accelerate wraps ``forward`` to run in float32
     and closes over the original module), and a copy would run the live training weights.
     The first version pays one initialisation; later ones copy the previous policy.
+
+    :raises TypeError: ``model`` is not a transformers model (it has no config to build
+        from; build the policy yourself, as :func:`swarm.demo.model.model_from_state` does).
     """
+    if not callable(getattr(getattr(model, "config", None), "to_json_string", None)):
+        raise TypeError(f"policy_builder needs a transformers model (with a config), not a "
+                        f"{type(model).__name__}")
     last: list[torch.nn.Module] = []
 
     def build(state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
