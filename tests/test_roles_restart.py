@@ -259,3 +259,41 @@ async def test_corrupt_trainer_state_is_discarded_and_versions_keep_rising(
                     await peer.wait_version(3)
                 assert peer.root == state_root_of(inference_state(master), PIECE)
     assert any("discarding saved state" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_peer_stopped_while_it_saves_a_verified_version_resumes_at_that_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer counts a version as verified, then writes it to its data dir. A stop in
+    between used to abandon the write (it went on in a thread after the peer had closed):
+    started again at once, the peer resumed a version behind (a vLLM member's restart test
+    failed on it in CI). A stop now waits for the write."""
+    import threading
+    import time
+
+    from swarm.roles import statelog
+
+    writing = threading.Event()
+    real_save = statelog.StateLog.save
+
+    def slow_save(self: statelog.StateLog, state: object, manifests: list[object],
+                  chunks: object = None) -> int:
+        if pdir in self.path.parents and manifests[-1].manifest.step == 1:  # type: ignore[attr-defined]
+            writing.set()
+            time.sleep(0.5)  # a big state takes seconds to write
+        return real_save(self, state, manifests, chunks)  # type: ignore[arg-type]
+
+    pdir = tmp_path / "peer"
+    monkeypatch.setattr(statelog.StateLog, "save", slow_save)
+    net = _net(5)
+    master = build_model(CFG)
+    async with _trainer(net, tmp_path / "trainer") as trainer:
+        await trainer.publish(inference_state(master))
+        async with _peer(net, 5, pdir, []) as peer:
+            async with asyncio.timeout(30):
+                await peer.wait_version(0)
+                _nudge(master, 1)
+                await trainer.publish(inference_state(master))
+                await asyncio.to_thread(writing.wait, 30)
+            assert peer.version == 1  # verified, still being written
+        async with _peer(net, 5, pdir, []) as peer:
+            assert peer.resumed_version == 1

@@ -625,7 +625,14 @@ class RolloutPeer(NodeBase):
                                        f"{sm.manifest.step}: {exc}") from exc
             self.version, self.root = sm.manifest.step, root
         self.work.installed.set()
-        await self._save(sm)
+        # a stop while the verified version is being written waits for the write: a
+        # restart then resumes at this version rather than fetching it again
+        save = asyncio.ensure_future(self._save(sm))
+        try:
+            await asyncio.shield(save)
+        except asyncio.CancelledError:
+            await save
+            raise
         async with self._version_changed:
             self._version_changed.notify_all()
         return changed, verified_at
