@@ -191,6 +191,10 @@ if __name__ == "__main__":
     ap.add_argument("--replay-fraction", type=float, default=0.1,
                     help="share of the tasks the trainer generates again to check them")
     args = ap.parse_args()
+    if not 0.0 <= args.replay_fraction <= 1.0:
+        ap.error("--replay-fraction is a share, in [0, 1]")
+    if not args.collect_timeout > 0:
+        ap.error("--collect-timeout must be > 0")
     try:
         sys.exit(main(args))
     except Exception as exc:
