@@ -8,6 +8,7 @@ checkpoint the volunteer already has (:func:`load_base_weights`).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -113,8 +114,6 @@ def model_from_config(config: PretrainedConfig, dtype: torch.dtype = torch.float
     under ``seed`` (the global RNG is left as it was), then cast to ``dtype`` (buffers
     computed at init, such as rotary frequencies, are cast the same way), in eval mode,
     with the KV cache on. ``config`` is not changed."""
-    import copy
-
     from transformers import AutoModelForCausalLM
 
     auto: Any = AutoModelForCausalLM

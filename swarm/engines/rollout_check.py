@@ -329,18 +329,17 @@ def policy_builder(model: torch.nn.Module) -> Callable[[Mapping[str, torch.Tenso
     if not callable(getattr(getattr(model, "config", None), "to_json_string", None)):
         raise TypeError(f"policy_builder needs a transformers model (with a config), not a "
                         f"{type(model).__name__}")
-    last: list[torch.nn.Module] = []
+    last: dict[torch.dtype, torch.nn.Module] = {}  # the policy built last, by its dtype
 
     def build(state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
         from swarm.engines.hf_model import like_a_peer
 
         dtype = next(iter(state.values())).dtype
-        if last and next(iter(last[0].state_dict().values())).dtype == dtype:
-            policy = copy.deepcopy(last[0])
-        else:
-            policy = like_a_peer(model, dtype)
+        before = last.get(dtype)
+        policy = copy.deepcopy(before) if before is not None else like_a_peer(model, dtype)
         policy.load_state_dict(dict(state))
-        last[:] = [policy]
+        last.clear()
+        last[dtype] = policy
         return policy.eval()
 
     return build
