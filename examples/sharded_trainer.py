@@ -106,7 +106,12 @@ async def rank_main(rank: int, world: int, args: argparse.Namespace) -> None:
             have, peers = await wait_delivered(node, peers, args.linger)
             print(f"last version reached {len(have)} of {len(peers)} peers", flush=True)
         await asyncio.to_thread(dist.barrier)  # the seeders serve until rank 0 is done
-        print(f"rank {rank} ({me.peer_id}) uploaded {seeding.bytes_up} bytes", flush=True)
+        # rank 0 alone prints every rank's upload (lines printed by two processes into
+        # one pipe can interleave)
+        uploads: list[tuple[str, int]] | None = [("", 0)] * world if rank == 0 else None
+        await asyncio.to_thread(dist.gather_object, (me.peer_id, seeding.bytes_up), uploads)
+        for r, (peer_id, sent) in enumerate(uploads or ()):
+            print(f"rank {r} ({peer_id}) uploaded {sent} bytes", flush=True)
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
