@@ -34,8 +34,11 @@ class SwarmProc:
         self.events: list[Event] = []
         self.stdout_lines: list[str] = []
         self._cond = threading.Condition()
-        self._stderr_path = cwd / f"{name}.{time.monotonic_ns()}.stderr"
+        stem = f"{name}.{time.monotonic_ns()}"
+        self._stderr_path = cwd / f"{stem}.stderr"
         self._stderr = self._stderr_path.open("wb")
+        # what it printed stays in the test's directory too, for a failure's post-mortem
+        self._stdout_copy = (cwd / f"{stem}.stdout").open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if command is None:
             command = [sys.executable, "-m", "swarm",
@@ -50,6 +53,8 @@ class SwarmProc:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
+            self._stdout_copy.write(raw)
+            self._stdout_copy.flush()
             line = raw.decode(errors="replace").rstrip("\n")
             with self._cond:
                 self.stdout_lines.append(line)
@@ -57,6 +62,7 @@ class SwarmProc:
                     with suppress(json.JSONDecodeError):
                         self.events.append(json.loads(line))
                 self._cond.notify_all()
+        self._stdout_copy.close()
         with self._cond:
             self._cond.notify_all()
 

@@ -246,6 +246,34 @@ def test_silent_peer_is_dropped_after_strikes() -> None:
     assert cancels
 
 
+def test_a_slow_trainer_strikes_but_is_never_dropped() -> None:
+    """A trainer whose uplink the swarm shares can leave requests unanswered for longer
+    than any time-out (0.4 Mbit/s for three peers in tests/test_cli_liar.py): a peer that
+    dropped it lost its only source of the next versions, and stalled for good."""
+    spec, chunks = make_object(4)
+    me = Exchange("me", seed=3, config=ExchangeConfig(request_timeout=1.0, max_strikes=2))
+    me.add_object(spec, 0.0)
+    me.connect("trainer", 0.0, rtt=0.01, trainer=True)
+    me.receive("trainer", Bitfield(spec.obj, 4, b"\x0f"), 0.0)
+    me.receive("trainer", Unchoke(), 0.0)
+    me.receive("trainer", Suggest(spec.obj, 0), 0.0)
+    me.take_outgoing()
+    now, timeouts = 0.0, []
+    for _ in range(6):
+        t = me.next_timer()
+        assert t is not None and t > now
+        now = t
+        me.handle_timer(now)
+        timeouts += [e for e in me.take_events() if isinstance(e, PeerTimedOut)]
+    assert "trainer" in me.neighbours and not timeouts
+    assert me._peers["trainer"].strikes >= 2
+    # what it sends at last is taken, and the strikes are forgiven
+    asked = [m for _, m in me.take_outgoing() if isinstance(m, Request)]
+    assert asked
+    me.receive("trainer", Piece(spec.obj, asked[-1].index, chunks[asked[-1].index]), now)
+    assert me.has(spec.obj, asked[-1].index) and me._peers["trainer"].strikes == 0
+
+
 @pytest.mark.parametrize("proven", [True, False])
 def test_endgame_asks_a_second_source_and_cancels_the_loser(proven: bool) -> None:
     """A loser that has delivered before is cancelled; one on probation (nothing

@@ -20,8 +20,8 @@ choke/unchoke and an optimistic unchoke; super-seeding on the trainer; a neighbo
 serves a chunk whose BLAKE3 id does not match is banned and its requests go elsewhere; a
 neighbour that stops answering times out and, after a few strikes, is dropped (until it
 has delivered, its requests are not withdrawn when another source is faster, so one that
-announces and never serves does strike out); one that keeps sending haves of unknown
-objects past a small allowance is dropped.
+announces and never serves does strike out), the trainer never, however slow its uplink;
+one that keeps sending haves of unknown objects past a small allowance is dropped.
 
 The parts: :mod:`~swarm.protocol.exchange_types` (specs, config, events),
 :mod:`~swarm.protocol.exchange_state` (per-object and per-neighbour state),

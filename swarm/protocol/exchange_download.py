@@ -366,7 +366,9 @@ class DownloadSide(ExchangeState):
     def _expire_requests(self, now: float) -> list[PeerState]:
         """Cancel the requests past their time-out; each neighbour that had some takes a
         strike and half its rate, and is snubbed until it delivers. Returns the neighbours
-        at ``max_strikes`` (to drop)."""
+        at ``max_strikes`` (to drop), never the trainer: it is the source of last resort,
+        and a slow uplink shared by the swarm is no reason to lose it (the halved rate
+        lengthens the time-outs of the requests that follow)."""
         late: dict[str, list[tuple[bytes, int]]] = {}
         dl = self._deadlines
         while dl and dl[0][0] <= now:
@@ -393,6 +395,6 @@ class DownloadSide(ExchangeState):
             p.strikes += 1
             p.unanswered += len(expired)
             self._set_rate(p, p.rate / 2)
-            if p.strikes >= self.config.max_strikes:
+            if p.strikes >= self.config.max_strikes and not p.trainer:
                 out.append(p)
         return out
