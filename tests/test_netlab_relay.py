@@ -2,8 +2,8 @@
 NATed peers punch TCP holes through their NATs (behind symmetric NATs every punch fails
 and they stay relayed), and every peer verifies every version. The figures of the issue
 are printed: hole-punch success rate, bytes relayed, trainer egress, sync time against
-the same lab with every peer public (printed, not asserted: in one lab, the same code's
-median sync ranged 0.9-3.5 s all public and 0.3-5.8 s NATed, run to run)."""
+the same lab with every peer public (printed, not asserted: run to run, the median sync
+ranged 0.9-3.5 s all public and 0.3-5.8 s NATed in one stop's runs)."""
 
 from __future__ import annotations
 
