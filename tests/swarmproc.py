@@ -38,7 +38,7 @@ class SwarmProc:
         self._stderr_path = cwd / f"{stem}.stderr"
         self._stderr = self._stderr_path.open("wb")
         # what it printed stays in the test's directory too, for a failure's post-mortem
-        self._stdout_copy = (cwd / f"{stem}.stdout").open("wb")
+        self._stdout_copy = (cwd / f"{stem}.stdout").open("wb", buffering=0)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if command is None:
             command = [sys.executable, "-m", "swarm",
@@ -54,7 +54,6 @@ class SwarmProc:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
             self._stdout_copy.write(raw)
-            self._stdout_copy.flush()
             line = raw.decode(errors="replace").rstrip("\n")
             with self._cond:
                 self.stdout_lines.append(line)
