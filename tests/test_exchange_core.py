@@ -274,6 +274,33 @@ def test_a_slow_trainer_strikes_but_is_never_dropped() -> None:
     assert me.has(spec.obj, asked[-1].index) and me._peers["trainer"].strikes == 0
 
 
+def test_a_silent_trainer_holds_a_chunk_for_at_most_the_longest_time_out() -> None:
+    """Each time-out halves the trainer's rate estimate, and it is never dropped: without
+    a cap, after enough strikes one request to a trainer that stays connected and silent
+    would hold its chunk for hours."""
+    spec, _ = make_object(4)
+    cfg = ExchangeConfig(request_timeout=1.0, max_request_timeout=5.0)
+    me = Exchange("me", seed=3, config=cfg)
+    me.add_object(spec, 0.0)
+    me.connect("trainer", 0.0, rtt=0.01, trainer=True)
+    me.receive("trainer", Bitfield(spec.obj, 4, b"\x0f"), 0.0)
+    me.receive("trainer", Unchoke(), 0.0)
+    me.take_outgoing()
+    now, cancels = 0.0, 0
+    for _ in range(1000):
+        t = me.next_timer()
+        assert t is not None and t > now
+        now = t
+        if now > 600.0:
+            break
+        me.handle_timer(now)
+        cancels += sum(isinstance(m, Cancel) for _, m in me.take_outgoing())
+    assert "trainer" in me.neighbours
+    # one request at a time, cancelled and asked again every 5 s: without the cap the
+    # time-outs double, and it is cancelled 21 times in 10 minutes and then hardly ever
+    assert cancels >= 60
+
+
 @pytest.mark.parametrize("proven", [True, False])
 def test_endgame_asks_a_second_source_and_cancels_the_loser(proven: bool) -> None:
     """A loser that has delivered before is cancelled; one on probation (nothing

@@ -22,7 +22,8 @@ class DownloadSide(ExchangeState):
 
     def _timeout(self, p: PeerState) -> float:
         expect = p.rtt + (len(p.out) + 1) * self._avg / max(p.rate, 1.0)
-        return max(self.config.request_timeout, 4.0 * expect)
+        return min(max(self.config.request_timeout, 4.0 * expect),
+                   self.config.max_request_timeout)
 
     def _inflight_bytes(self) -> int:
         total = 0

@@ -100,6 +100,9 @@ class ExchangeConfig:
     """Weight of the newest sample in the per-neighbour rate average."""
     request_timeout: float = 3.0
     """Least time to wait for a requested piece (longer when the pipeline is deep)."""
+    max_request_timeout: float = 60.0
+    """Most time to wait for a requested piece, however slow the neighbour has been (each
+    time-out halves its rate estimate, and the trainer is never dropped for them)."""
     max_strikes: int = 3
     """Time-outs after which a neighbour is dropped (the driver may find a replacement)."""
     max_queue: int = 64
