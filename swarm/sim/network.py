@@ -236,24 +236,32 @@ class FlowNetwork:
         pos = np.arange(f)
         fr = np.concatenate([pos, pos, pos[cross]])
         rr = np.concatenate([src, n + dst, 2 * n + rs[cross] * r + rd[cross]])
-        cap = self._cap.copy()
+        # only the resources some flow crosses, renumbered: the others never bind
+        uniq, rr = np.unique(rr, return_inverse=True)
+        cap = self._cap[uniq]
+        nres = len(uniq)
         rate = np.zeros(f)
         frozen = np.zeros(f, bool)
-        nres = len(cap)
+        share = np.empty(nres)
         slack = 1 + self.tolerance
-        # (fr, rr) keep only the entries of flows not frozen yet, so each round is cheaper
+        level_sum = 0.0
+        # (fr, rr) keep only the entries of flows not frozen yet, so each round is cheaper;
+        # a flow's rate is the sum of the levels up to the round that froze it
         for _ in range(nres + 1):
             if not len(fr):
                 break
             cnt = np.bincount(rr, minlength=nres)
             used = cnt > 0
-            share = np.full(nres, np.inf)
+            share.fill(np.inf)
             np.divide(np.maximum(cap, 0.0), cnt, out=share, where=used)
             level = float(share.min())
-            rate[~frozen] += level
+            level_sum += level
             cap -= level * cnt
-            tight = used & (share <= level * slack + 1e-9)
-            frozen[fr[tight[rr]]] = True
+            tight = share <= level * slack + 1e-9
+            tight &= used
+            hit = fr[tight[rr]]
+            frozen[hit] = True
+            rate[hit] = level_sum
             live = ~frozen[fr]
             fr, rr = fr[live], rr[live]
         self._rate[idx] = rate
