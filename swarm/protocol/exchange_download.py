@@ -84,7 +84,7 @@ class DownloadSide(ExchangeState):
                  if p.depth > len(p.out)}  # _room(p) > 0
         if not roomy:
             return
-        peers, region, import_delay = self._peers, self.region, cfg.import_delay
+        peers, region = self._peers, self.region
         roomy_local = {h for h in roomy if peers[h].region == region and not peers[h].trainer}
         local_peers = self._local_peers()
         # a chunk only region-mates that can hardly upload hold is not waited for (see
@@ -114,32 +114,18 @@ class DownloadSide(ExchangeState):
             wanted = [i for i in range(len(o.spec.sizes))
                       if i not in o.have and i not in o.inflight]
             # only chunks some neighbour with a free slot holds can be asked for now
-            # (the others wait for a slot: a piece arrival or a reject calls this again)
-            ready = [i for i in wanted if not o.holders[i].isdisjoint(roomy)]
+            # (the others wait for a slot: a piece arrival or a reject calls this again),
+            # and of those, not the ones that wait anyway: sorting is most of a pick
+            ready = [i for i in wanted
+                     if not self._waits(o, i, roomy, roomy_local, slow, now)]
             order = picker.rarest_first(ready, o.local, o.availability, self._salt,
                                         o.suggested, o.tiebreaks)
             for idx in order:
                 if budget <= 0 or not roomy:
                     return
-                holders = o.holders[idx]
-                if holders.isdisjoint(roomy):
+                # a request shrinks roomy and may set an earlier wake-up: check again
+                if self._waits(o, idx, roomy, roomy_local, slow, now):
                     continue
-                if idx not in o.suggested:
-                    # shortcuts where _choose_source would return None with no effect
-                    if o.local[idx]:
-                        if holders.isdisjoint(roomy_local) and (
-                                not slow or any(h not in slow and peers[h].region == region
-                                                and not peers[h].trainer for h in holders)):
-                            continue  # in the region, every holder here busy: wait
-                    else:
-                        rank = o.ranks.get(idx)
-                        if rank is not None:
-                            # an import whose turn comes at ``early`` or later, with a
-                            # wake-up already set no later than that
-                            early = o.first_seen.get(idx, o.added_at) + rank * import_delay
-                            wake = self._wake
-                            if now < early and wake is not None and wake <= early:
-                                continue
                 src = self._choose_source(o, idx, local_peers, now, ())
                 if src is not None:
                     self._request(o, idx, src, now)
@@ -166,6 +152,33 @@ class DownloadSide(ExchangeState):
                 if src is not None:
                     self._request(o, idx, src, now)
                     budget -= o.spec.sizes[idx]
+
+    def _waits(self, o: ObjectState, idx: int, roomy: set[str], roomy_local: set[str],
+               slow: frozenset[str], now: float) -> bool:
+        """Whether a pick passes over chunk ``idx`` for now, where
+        :meth:`_choose_source` would return None with no effect: no holder has a free
+        slot, or (unless suggested) every holder in my region is busy, or it is an import
+        whose turn comes later with a wake-up already set by then. A smaller ``roomy``
+        or an earlier wake-up never turns a yes into a no."""
+        holders = o.holders[idx]
+        if holders.isdisjoint(roomy):
+            return True
+        if idx in o.suggested:
+            return False
+        if o.local[idx]:
+            # in the region, every holder here busy: wait
+            peers, region = self._peers, self.region
+            return holders.isdisjoint(roomy_local) and (
+                not slow or any(h not in slow and peers[h].region == region
+                                and not peers[h].trainer for h in holders))
+        rank = o.ranks.get(idx)
+        if rank is None:
+            return False
+        # an import whose turn comes at ``early`` or later, with a wake-up already set
+        # no later than that
+        early = o.first_seen.get(idx, o.added_at) + rank * self.config.import_delay
+        wake = self._wake
+        return now < early and wake is not None and wake <= early
 
     def _request(self, o: ObjectState, idx: int, src: str, now: float) -> None:
         ahead = o.wanted.pop(idx, None)
