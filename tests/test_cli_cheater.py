@@ -70,3 +70,21 @@ def test_the_demo_with_a_cheater_says_what_became_of_it(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     cheater = summary["peers"]["cheater"]  # it holds the right weights, yet its results fail
     assert cheater["verified"] >= 2 and cheater["failures"] == 0, cheater
+
+
+def test_a_step_whose_results_are_all_refused_ends_in_one_error_line(tmp_path: Path) -> None:
+    """Only a cheater joined: none of its results counts, and when --step-timeout runs
+    out the trainer says which step starved and how to go on (it said only
+    ``swarm: error:  (TimeoutError)``)."""
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", "2", "--min-peers", "1", "--step-timeout", "20",
+                      "--prompts", "4", "--group", "2")
+        c.peer("cheat", "--chaos-cheat", "random")
+        assert t.wait_exit(120) == 2
+        last = t.stderr.strip().splitlines()[-1]
+        assert last.startswith("swarm: error: step 1 got no accepted result"), last
+        assert "--step-timeout 20 s" in last and "it resumes from trainer" in last, last
+        rejected = int(last.split("rejected by the checks so far: ")[1].split(")")[0])
+        assert rejected >= 1, last
+        assert not t.of("step"), t.of("step")

@@ -290,7 +290,7 @@ def _measure(args: argparse.Namespace, work: Any) -> dict[str, Any]:
     return {
         "model": work.name, "engine": args.engine, "dtype": args.dtype, "versions": args.steps,
         "tasks_per_version": args.tasks, "group": args.group,
-        "tolerance": {"max_abs": tol.max_abs, "mean_abs": tol.mean_abs, "z_min": tol.z_min},
+        "tolerance": {"max_abs": tol.max_abs, "mean_abs": tol.mean_abs, "min_log_p": tol.min_log_p},
         "strategies": rows,
         "cost_per_task_ms": {k: round(1000 * cost[k] / n, 3) for k in ("copy", "logprobs",
                                                                           "replay")},
@@ -318,7 +318,7 @@ def _print(r: dict[str, Any]) -> None:
           f"{r['versions']} "
           f"versions x {r['tasks_per_version']} tasks x {r['group']} completions per strategy")
     print(f"tolerance: per token {tol['max_abs']:g}, mean {tol['mean_abs']:g}, "
-          f"likelihood z >= {tol['z_min']:g}")
+          f"likelihood bound >= e^{tol['min_log_p']:g}")
     print(f"{'strategy':<15}{'max |dlp|':>11}{'max mean':>10}{'refused':>14}  by check")
     for name, row in r["strategies"].items():
         refused = f"{row['refused']}/{row['results']}"

@@ -199,7 +199,16 @@ async def _main(args: argparse.Namespace) -> int:
             tasks = node.add_tasks([(f"s{step}-{i}", p) for i, p in enumerate(prompts)],
                                    group_size=cfg.group_size, sampling=sampling)
             prompt_of = {t.task_id: tuple(t.prompt_tokens) for t in tasks}
-            accepted = await node.collect(tasks, timeout=args.step_timeout)
+            try:
+                accepted = await node.collect(tasks, timeout=args.step_timeout)
+            except TimeoutError:
+                rejections = node.leases.stats.results_rejected
+                raise SwarmError(
+                    f"step {step} got no accepted result for some of its {len(tasks)} "
+                    f"tasks within --step-timeout {args.step_timeout:g} s (results "
+                    f"rejected by the checks so far: {rejections}); run this again (it "
+                    f"resumes from {args.data_dir}), with a larger --step-timeout if the "
+                    "peers are slow") from None
             t1 = time.perf_counter()
             rejected.count(accepted)
             by_task = {r.task_id: r for a in accepted for r in a.results

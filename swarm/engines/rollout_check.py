@@ -13,10 +13,14 @@ batched) and refuses the result when:
   the argmax when greedy, outside the top-k, or outside the top-p nucleus (each with a
   margin of :attr:`Tolerance.max_abs`, since engines disagree at the boundary);
 - **likelihood**: the tokens are far less likely than samples of the sampling distribution
-  would be: the summed log-probability under the sampling distribution (temperature, top-k,
-  top-p) lies more than :attr:`Tolerance.z_min` standard deviations below its mean. This
+  would be: a Chernoff bound on the chance that honest sampling (temperature, top-k, top-p)
+  draws a completion this surprising is below ``exp(``:attr:`Tolerance.min_log_p```)``. This
   catches made-up tokens with log-probs recomputed to match, once the policy has learnt
-  anything (a uniform policy makes every sequence as likely as any other).
+  anything (a uniform policy makes every sequence as likely as any other). The bound holds
+  for any distributions, so an honest completion is refused with at most that chance; a
+  z-score of the summed log-probability, used before, refused honest ones: one rare token
+  under a peaked distribution put two of some 20,000 demo completions below z = -6, and the
+  trainer, re-leasing their tasks with the same seeds, stalled for good.
 
 Tolerances depend on the pair of engines (the peer's and this recomputation) and the
 dtype: :data:`TOLERANCES` holds those measured here (``swarm bench checks``).
@@ -47,8 +51,10 @@ class Tolerance:
     """Largest per-token |reported - recomputed| log-prob."""
     mean_abs: float
     """Largest mean per-token |reported - recomputed| over a completion."""
-    z_min: float = -6.0
-    """Lowest z-score of a completion's likelihood under the sampling distribution."""
+    min_log_p: float = -30.0
+    """Least natural log of :func:`measure`'s bound on the chance of a completion as
+    surprising under the sampling distribution (honest ones fall below it with at most
+    that chance, ``exp(-30)`` = 1e-13, allowing ``max_abs`` per token of engine drift)."""
 
 
 #: Per dtype of the published state, then per peer engine class (the result's
@@ -125,7 +131,14 @@ class Measured:
     mean_abs: float
     outside: int
     """Tokens outside the sampling settings' support."""
-    z: float
+    log_p: float
+    """Natural log of a bound on the chance that sampling draws a completion as surprising
+    (0: not surprising at all)."""
+
+
+#: The Chernoff exponents tried (the bound is taken at the best one, and pays for the
+#: choice with a union bound over all of them).
+_EXPONENTS = tuple(k / 10 for k in range(1, 11))
 
 
 def measure(logits: torch.Tensor, comp: Completion, sampling: Sampling,
@@ -140,15 +153,31 @@ def measure(logits: torch.Tensor, comp: Completion, sampling: Sampling,
     raw = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     diff = (torch.tensor(comp.logprobs, dtype=torch.float64) - raw.double()).abs()
     logq = sampling_logprobs(logits, sampling, margin)
-    picked = logq.gather(1, tokens[:, None])[:, 0]
+    picked = logq.gather(1, tokens[:, None])[:, 0].double()
     outside = int(torch.isinf(picked).sum())
-    q = logq.exp()
-    finite = torch.where(torch.isinf(logq), 0.0, logq)
-    mean = (q * finite).sum(-1)
-    var = ((q * finite * finite).sum(-1) - mean * mean).clamp_min(0.0)
-    z = float((torch.where(torch.isinf(picked), 0.0, picked) - mean).sum()
-              / math.sqrt(float(var.sum()) + 1e-6))
-    return Measured(float(diff.max()), float(diff.mean()), outside, z)
+    surprisal = -float(torch.where(torch.isinf(picked), 0.0, picked).sum())
+    return Measured(float(diff.max()), float(diff.mean()), outside,
+                    surprise_bound(logq, surprisal, margin))
+
+
+def surprise_bound(logq: torch.Tensor, surprisal: float, drift: float) -> float:
+    """Natural log of a bound on P(S >= ``surprisal``), S being the summed surprisal
+    (-log q) of a completion drawn position by position from ``logq`` (``[n, vocab]``,
+    each row normalised, -inf outside the support), when the sampler's log-probs may be
+    off from these by up to ``drift`` each.
+
+    For a fixed exponent l in (0, 1], exp(l S) over the product of the per-position
+    E[q^-l] = sum q^(1-l) is a martingale of mean 1, so by Markov
+    P(S >= s) <= exp(-l s + sum_i log sum_x q_i(x)^(1-l)); a sampler off by ``drift``
+    multiplies each expectation by at most exp(drift). The least over
+    :data:`_EXPONENTS`, times their count for the choice, is the bound."""
+    n = logq.shape[0]
+    inf = torch.isinf(logq)
+    best = 0.0
+    for lam in _EXPONENTS:
+        log_z = torch.logsumexp(torch.where(inf, -math.inf, (1.0 - lam) * logq), dim=-1)
+        best = min(best, -lam * surprisal + float(log_z.double().sum()))
+    return min(0.0, best + n * drift + math.log(len(_EXPONENTS)))
 
 
 class LogprobCheck:
@@ -201,9 +230,10 @@ class LogprobCheck:
                 if v.outside:
                     return (f"{where}: {v.outside} token(s) outside what the sampling "
                             "settings allow")
-                if v.z < tol.z_min:
+                if v.log_p < tol.min_log_p:
                     return (f"{where}: tokens implausibly unlikely under the sampling "
-                            f"settings (z = {v.z:.1f} < {tol.z_min:g})")
+                            f"settings (chance at most e^{v.log_p:.0f} < "
+                            f"e^{tol.min_log_p:g})")
         return None
 
 
