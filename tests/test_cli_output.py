@@ -278,3 +278,26 @@ def test_quiet_prints_nothing_on_stdout(tmp_path: Path) -> None:
     assert out.stdout == ""
     assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith("swarm: error: ")
     assert not any(x.startswith("Failed to open TCP stream") for x in out.stderr.splitlines())
+
+
+def test_a_second_node_on_a_data_dir_in_use_is_refused(tmp_path: Path) -> None:
+    """Two trainers on one data dir shared a signing key and a lease book, and two peers
+    one journal (a newcomer's trial: the first peer then stalled); the second is refused
+    at once, and a node killed outright leaves no lock behind."""
+    with cluster(tmp_path) as c:
+        c.bootstrap()
+        t = c.trainer("--steps", "1000", "--min-peers", "1")
+        p = c.peer("p0")
+        p.wait_event("ready", 60)
+        pids = {"trainer": t.proc.pid, "p0": p.proc.pid}
+        for name, argv in (("trainer", ["trainer", "--bootstrap", c.bootstrap_addr]),
+                           ("p0", ["peer", "--bootstrap", c.bootstrap_addr,
+                                   "--trainer", c.trainer_id])):
+            out = swarm(*argv, "--data-dir", name, "--listen", "/ip4/127.0.0.1/tcp/0",
+                        cwd=tmp_path)
+            one_error_line(out, f"--data-dir {name} is in use by another swarm node "
+                           f"(process {pids[name]})", "a --data-dir of its own")
+        p.signal(signal.SIGKILL)
+        p.wait_exit(30)
+        again = c.peer("p0")
+        assert again.wait_event("ready", 60)["peer_id"] == p.of("ready")[0]["peer_id"]

@@ -7,7 +7,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +151,30 @@ def check_data_dir(path: Path) -> None:
         raise UsageError(f"--data-dir {path} is not writable: {exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def data_dir_lock(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock while the node runs: a second node on one data directory
+    would share its key, its journal and (a trainer's) lease book. The lock is the
+    kernel's (``flock``), so a node that crashed leaves none behind; the file names the
+    holder's process id."""
+    import fcntl
+
+    fd = os.open(path / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            raise UsageError(f"--data-dir {path} is in use by another swarm node (process "
+                             f"{holder}); stop it, or give this one a --data-dir of its "
+                             "own") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
 def check_link_flags(args: argparse.Namespace, *mbps_flags: str) -> None:
     """The emulated WAN's flags: each of ``mbps_flags`` (attribute names) 0 to
     :data:`MAX_MBPS`, and ``--wan-latency-ms`` 0 to :data:`MAX_LATENCY_MS` (NaN refused)."""
@@ -237,12 +261,13 @@ def run_node(main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
     import asyncio
 
     check_node_args(args)
-    try:
-        return asyncio.run(main(args))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        return 130
-    except OSError as exc:
-        raise UsageError(f"{exc.strerror or exc} ({exc.__class__.__name__})") from None
+    with data_dir_lock(args.data_dir):
+        try:
+            return asyncio.run(main(args))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            return 130
+        except OSError as exc:
+            raise UsageError(f"{exc.strerror or exc} ({exc.__class__.__name__})") from None
 
 
 #: Seconds a node may take to close after Ctrl-C or SIGTERM before the process exits
