@@ -301,3 +301,16 @@ def test_a_second_node_on_a_data_dir_in_use_is_refused(tmp_path: Path) -> None:
         p.wait_exit(30)
         again = c.peer("p0")
         assert again.wait_event("ready", 60)["peer_id"] == p.of("ready")[0]["peer_id"]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["peer", "--trainer", OTHER_ID, "--engine", "tensorrt"],
+     "swarm peer: argument --engine: invalid choice: 'tensorrt'"),
+    (["simulate", "--peers", "abc"], "swarm simulate: argument --peers: invalid int value"),
+    (["lab", "bogus"], "swarm lab: argument WHAT: invalid choice: 'bogus'"),
+])
+def test_a_flag_argparse_refuses_is_one_error_line(tmp_path: Path, argv: list[str],
+                                                   needle: str) -> None:
+    """It printed argparse's usage block, 17 lines for ``swarm peer``."""
+    out = swarm(*argv, cwd=tmp_path)
+    one_error_line(out, needle, f"(see `swarm {argv[0]}")

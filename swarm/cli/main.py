@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from swarm.errors import SwarmError
 
@@ -54,14 +55,23 @@ def _load(module: str) -> object:
     return importlib.import_module(module)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one ``swarm: error:`` line, as every other error is, not argparse's
+    usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"swarm: error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="swarm",
         description="Ship bit-exact sparse RL weight deltas peer to peer.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more logging (-v info, -vv debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=_Parser)
     argv = sys.argv[1:]
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -72,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         if not members:
             continue
         g = sub.add_parser(group, help=f"{group} subcommands")
-        gsub = g.add_subparsers(dest="subcommand", metavar="WHAT", required=True)
+        gsub = g.add_subparsers(dest="subcommand", metavar="WHAT", required=True,
+                                parser_class=_Parser)
         for name, (module, help_text) in members.items():
             p = gsub.add_parser(name, help=help_text, description=help_text)
             p.set_defaults(_module=module)
