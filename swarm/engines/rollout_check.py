@@ -14,7 +14,7 @@ batched) and refuses the result when:
   margin of :attr:`Tolerance.max_abs`, since engines disagree at the boundary);
 - **likelihood**: the tokens are far less likely than samples of the sampling distribution
   would be: a Chernoff bound on the chance that honest sampling (temperature, top-k, top-p)
-  draws a completion this surprising is below ``exp(``:attr:`Tolerance.min_log_p```)``. This
+  draws a completion this surprising is below e to the :attr:`Tolerance.min_log_p`. This
   catches made-up tokens with log-probs recomputed to match, once the policy has learnt
   anything (a uniform policy makes every sequence as likely as any other). The bound holds
   for any distributions, so an honest completion is refused with at most that chance; a
