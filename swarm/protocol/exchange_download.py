@@ -120,11 +120,14 @@ class DownloadSide(ExchangeState):
                      if not self._waits(o, i, roomy, roomy_local, slow, now)]
             order = picker.rarest_first(ready, o.local, o.availability, self._salt,
                                         o.suggested, o.tiebreaks)
+            seen = (len(roomy), self._wake)  # what the filter above saw
             for idx in order:
                 if budget <= 0 or not roomy:
                     return
-                # a request shrinks roomy and may set an earlier wake-up: check again
-                if self._waits(o, idx, roomy, roomy_local, slow, now):
+                # a request shrinks roomy and a source's choice may set an earlier
+                # wake-up: only then can a chunk that passed the filter wait after all
+                if (len(roomy), self._wake) != seen and \
+                        self._waits(o, idx, roomy, roomy_local, slow, now):
                     continue
                 src = self._choose_source(o, idx, local_peers, now, ())
                 if src is not None:
