@@ -135,6 +135,38 @@ def test_restart_from_sqlite_resumes_exactly(tmp_path: Path) -> None:
         assert db.accepted_count() == len(la.lease.tasks) + len(lb.lease.tasks) == 4
 
 
+def test_a_task_a_check_refused_is_leased_again_with_a_new_seed_across_a_restart(
+        tmp_path: Path) -> None:
+    """Re-leased with its old seed, every honest peer would draw the refused completions
+    again: one false positive of a check would starve the step for good."""
+    mem = MemoryLeaseStore()
+    peer = PeerLeases(PEERS[0], TRAINER.public_key, RUN)
+
+    def lease_of(book: TrainerLeases, now: float) -> Lease:
+        [lease] = book.handle(peer.claim(now, tokens_per_s=8.0, version=0, want=2).encode(),
+                              now, sender=PEERS[0].peer_id)
+        assert isinstance(lease, Lease) and peer.receive(lease, now) is Reason.ACCEPTED
+        return lease
+
+    with TrainerState(tmp_path, run=RUN, trainer_key=TRAINER.public_key) as db:
+        trainer = TrainerLeases(TRAINER, CFG, store=Tee(mem, db))
+        trainer.publish_version(0, 0.0)
+        trainer.add_tasks([("q0", [1]), ("q1", [2])], sampling=Sampling(seed=7))
+        first = lease_of(trainer, 1.0)
+        assert [t.sampling.seed for t in first.tasks] == [7, 7]
+        res = peer.result(first.lease_id, 0, results_for(first), 2.0)
+        trainer.reject(res, 2.0, "tokens implausibly unlikely")
+        seeds = {t.task_id: trainer.task(t.task_id).sampling.seed  # type: ignore[union-attr]
+                 for t in first.tasks}
+        assert 7 not in seeds.values() and len(set(seeds.values())) == 2
+        assert db.load() == mem.load()
+    with TrainerState(tmp_path, run=RUN, trainer_key=TRAINER.public_key) as db:
+        again = TrainerLeases.restore(TRAINER, CFG, db, now=100.0)
+        second = lease_of(again, 100.0)
+        assert {t.task_id: t.sampling.seed for t in second.tasks} == seeds
+        assert [t.sampling.max_tokens for t in second.tasks] == [256, 256]  # only the seed
+
+
 def test_database_refuses_to_count_a_task_twice(tmp_path: Path) -> None:
     with TrainerState(tmp_path, run=RUN, trainer_key=TRAINER.public_key) as db:
         trainer = TrainerLeases(TRAINER, CFG, store=db)

@@ -189,6 +189,8 @@ class TrainerState:
             db.executemany(
                 "UPDATE tasks SET state = 'queued', lease_id = NULL "
                 "WHERE task_id = ? AND state = 'leased'", [(t,) for t in op.requeued])
+            db.executemany("UPDATE tasks SET body = ? WHERE task_id = ? AND state = 'queued'",
+                           [(strict.pack(t.to_wire()), t.task_id) for t in op.reseeded])
         elif isinstance(op, PublishVersion):
             db.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [
                 ("latest", op.version), ("last_publish", op.time),

@@ -51,11 +51,13 @@ class AcceptResult:
 
 @dataclass(frozen=True, slots=True)
 class CloseLease:
-    """A lease ended; ``requeued`` of its tasks (never counted) go back to the queue."""
+    """A lease ended; ``requeued`` of its tasks (never counted) go back to the queue, and
+    ``reseeded`` replace the tasks of those that are sampled with a new seed from now on."""
 
     lease_id: bytes
     state: LeaseState
     requeued: tuple[int, ...]
+    reseeded: tuple[RolloutTask, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,7 @@ class MemoryLeaseStore:
             lease, expires, timeout, deadline, _ = self.leases[op.lease_id]
             self.leases[op.lease_id] = (lease, expires, timeout, deadline, op.state)
             self.queued.update(op.requeued)
+            self.tasks.update((t.task_id, t) for t in op.reseeded)
         elif isinstance(op, PublishVersion):
             self.latest, self.last_publish = op.version, op.time
             self.interval = op.step_interval_s

@@ -14,7 +14,7 @@ import heapq
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from swarm.content.ids import domain_hash
@@ -23,6 +23,7 @@ from swarm.identity import Identity
 from swarm.protocol.leases.messages import (
     LEASE_ID_LEN,
     MAX_RUN_LEN,
+    MAX_SEED,
     PENALTIES,
     Claim,
     Heartbeat,
@@ -169,6 +170,17 @@ class Rejected:
     at: float
     banned: bool
     """Whether the holder was banned from new leases after this rejection."""
+
+
+def _reseeded(task: RolloutTask) -> RolloutTask:
+    """``task`` with a new sampling seed, derived from its old one. A check refused a result
+    of it: with the same seed every honest peer would draw the same completions, and a
+    check's false positive (however rare) would refuse them all again, for good."""
+    assert task.sampling.seed is not None
+    digest = domain_hash("swarm/reseed", task.sampling.seed.to_bytes(8, "little"),
+                         task.task_id.to_bytes(8, "little"))
+    seed = int.from_bytes(digest[:8], "little") % (MAX_SEED + 1)
+    return replace(task, sampling=replace(task.sampling, seed=seed))
 
 
 @dataclass(slots=True)
@@ -668,7 +680,12 @@ class TrainerLeases:
                 self._holders.pop(t, None)
                 requeued.append(t)
                 heapq.heappush(self._queue, t)
-        ops.append(CloseLease(lease_id, state, tuple(requeued)))
+        reseeded: tuple[RolloutTask, ...] = ()
+        if state is LeaseState.REJECTED:
+            reseeded = tuple(_reseeded(self._tasks[t]) for t in requeued
+                             if self._tasks[t].sampling.seed is not None)
+            self._tasks.update((task.task_id, task) for task in reseeded)
+        ops.append(CloseLease(lease_id, state, tuple(requeued), reseeded))
         self._closed[lease_id] = state
         if state is LeaseState.COMPLETED:
             self.stats.leases_completed += 1
