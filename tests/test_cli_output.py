@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -65,6 +66,18 @@ def test_bad_input_is_one_error_line(tmp_path: Path, case: str) -> None:
     if case in ("listen", "data-file"):
         t = swarm("trainer", flags[0], flags[1], "--steps", "0", cwd=tmp_path)
         one_error_line(t, needle)
+
+
+def test_an_unreachable_bootstrap_is_one_error_line(tmp_path: Path) -> None:
+    """It printed two WARNING lines (a dial summary, the bootstrap's failure) saying what
+    the error line says."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    boot = f"/ip4/127.0.0.1/tcp/{port}/p2p/{OTHER_ID}"
+    out = swarm("peer", "--bootstrap", boot, "--trainer", OTHER_ID, "--data-dir", "p",
+                "--listen", "/ip4/127.0.0.1/tcp/0", cwd=tmp_path)
+    one_error_line(out, f"no bootstrap node answered: {boot}")
 
 
 @pytest.mark.parametrize("command", ["trainer", "demo"])

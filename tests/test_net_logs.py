@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from swarm.net.logs import route_libp2p_logging
+from swarm.net.logs import DialFailures, route_libp2p_logging
 
 
 def test_libp2p_records_are_forwarded_under_swarm_net(caplog: pytest.LogCaptureFixture
@@ -50,3 +50,25 @@ def test_a_connection_arriving_while_the_node_stops_logs_no_traceback(
     levels = {r.getMessage().split(" for peer ")[1][:10]: r.levelname for r in caplog.records
               if r.name == "swarm.net.libp2p.libp2p.network.swarm"}
     assert levels == {"12D3KooWx:": "DEBUG", "12D3KooWy:": "WARNING"}
+
+
+def test_failed_dials_are_summed_up_once_a_minute_not_at_the_first() -> None:
+    """A node whose bootstrap is down printed a summary of one failed dial just before its
+    own error line said the same."""
+    now = [100.0]
+    dials = DialFailures(clock=lambda: now[0])
+
+    def fail(target: str) -> str | None:
+        rec = logging.makeLogRecord({"msg": "Failed to open TCP stream to %s failed",
+                                     "args": (f"dial to {target}",)})
+        return dials.add(rec)
+
+    assert fail("10.0.0.1:4001") is None  # the first failure opens a window
+    now[0] += 30.0
+    assert fail("10.0.0.2:4001") is None
+    now[0] += 31.0
+    summary = fail("10.0.0.1:4001")
+    assert summary == ("3 dial(s) failed in the last 61 s: 10.0.0.1:4001 (2x), "
+                       "10.0.0.2:4001 (1x) (retried with backoff)")
+    now[0] += 500.0
+    assert fail("10.0.0.3:4001") is None  # a new window, not a summary of one failure

@@ -16,8 +16,9 @@ Two things it takes care of:
 - libp2p logs an ERROR for every failed TCP dial ("Failed to open TCP stream"); the
   callers (the peer's discovery with its backoff, the bootstrap redial) handle these
   failures themselves. They are counted, not forwarded: one WARNING line under
-  ``swarm.net.libp2p`` sums them up at most every :data:`DIAL_SUMMARY_S` seconds (each
-  one is still forwarded at DEBUG).
+  ``swarm.net.libp2p`` sums up each :data:`DIAL_SUMMARY_S` seconds that had some, at the
+  next failure after them (each one is still forwarded at DEBUG). A node that cannot
+  reach its bootstrap says so in its own error line, without a summary before it.
 - yamux logs an ERROR ("Error in handle_incoming ... ClosedResourceError") whenever a
   connection this node closed itself is read once more: every refused reconnection of
   a banned peer printed one. It is forwarded at DEBUG.
@@ -43,7 +44,7 @@ _CLOSED_HERE = ("Error in handle_incoming for peer", "ClosedResourceError")
 _STOPPING = ("[ADDCONN_FAIL]", "Cannot schedule task after service has stopped")
 
 
-class _DialFailures:
+class DialFailures:
     """Counts libp2p's per-attempt dial errors; says when a summary is due."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -51,7 +52,8 @@ class _DialFailures:
         self._lock = threading.Lock()
         self.count = 0
         self.targets: dict[str, int] = {}
-        self._last = -DIAL_SUMMARY_S
+        self._since: float | None = None
+        """When the failures counted now began (None: none counted)."""
 
     def add(self, record: logging.LogRecord) -> str | None:
         """Count ``record``; the summary line to log now, if one is due."""
@@ -63,19 +65,20 @@ class _DialFailures:
             self.count += 1
             self.targets[target] = self.targets.get(target, 0) + 1
             now = self.clock()
-            if now - self._last < DIAL_SUMMARY_S:
+            if self._since is None:
+                self._since = now
+            if now - self._since < DIAL_SUMMARY_S:
                 return None
-            first = self._last < 0
-            self._last = now
+            span = now - self._since
+            self._since = None
             count, targets, self.count, self.targets = self.count, self.targets, 0, {}
         shown = ", ".join(f"{t} ({n}x)" for t, n in sorted(targets.items())[:5])
         more = f" and {len(targets) - 5} more" if len(targets) > 5 else ""
-        span = "" if first else f" in the last {DIAL_SUMMARY_S:.0f} s"
-        return (f"{count} dial(s) failed{span}: {shown}{more} (retried with backoff; "
-                f"next summary in {DIAL_SUMMARY_S:.0f} s at most)")
+        return (f"{count} dial(s) failed in the last {span:.0f} s: {shown}{more} "
+                "(retried with backoff)")
 
 
-_DIALS = _DialFailures()
+_DIALS = DialFailures()
 
 
 def _expected(record: logging.LogRecord, level: int) -> bool:

@@ -308,10 +308,11 @@ class Libp2pNode:
             try:
                 await self.connect(addr)
             except (PeerUnreachable, PeerIdMismatch) as exc:
-                logger.warning("bootstrap %s failed: %s", addr, exc)
                 errors.append(f"{addr}: {exc}")
         if len(errors) == len(self.config.bootstrap):
             raise PeerUnreachable("no bootstrap node answered: " + "; ".join(errors))
+        for err in errors:  # (all of them failing is the error above, said once)
+            logger.warning("bootstrap %s failed", err)
 
     async def _check_reach(self) -> None:
         """Ask a bootstrap node to dial us back (:mod:`swarm.net.reach`); behind a NAT,
