@@ -236,18 +236,19 @@ def test_trainer_and_peer_print_progress_and_a_gone_trainer(tmp_path: Path) -> N
             assert "down" in line and "from the trainer" in line and "leases" in line
             trainer.wait_line("out", "step 2 published:", 10)
             trainer.wait_line("out", "last version 2 reached 1 of 1", 30)
+            # While the trainer lingers, the peer is told the run is over.
+            peer.wait_line("out", "the trainer finished the run at version 2, which this "
+                           "peer holds", 30)
             assert trainer.proc.wait(60) == 0
             assert not any(x.startswith("{") for x in trainer.out + peer.out)
-            # The trainer is gone: said every 2 s, then the peer gives up.
-            peer.wait_line("err", "unreachable for", 30)
-            assert peer.proc.wait(60) == 2
-            time.sleep(0.5)
-            last = peer.err[-1]
-            assert last.startswith("swarm: error: trainer ") and "giving up" in last
-            errs = "\n".join(peer.err)
-            assert "Traceback" not in errs
-            assert not any(x.startswith("Failed to open TCP stream") for x in peer.err)
-            assert sum("dial(s) failed" in x for x in peer.err) <= 2, errs
+            # A finished trainer leaving is said once, then the time-out ends the peer as
+            # done (it exited 2 with "giving up", an error, before).
+            peer.wait_line("out", "the trainer left after finishing the run at version 2; "
+                           "waiting in case it goes on (for --trainer-timeout 8 s)", 30)
+            assert peer.proc.wait(60) == 0
+            peer.stop()
+            assert peer.out[-1] == "done: holding version 2, the run's last"
+            assert not any("unreachable" in x or "error" in x for x in peer.err), peer.err
     # swarm inspect reads what both left.
     out = swarm("inspect", "t", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -259,6 +260,33 @@ def test_trainer_and_peer_print_progress_and_a_gone_trainer(tmp_path: Path) -> N
     bad = swarm("inspect", "p/peer.state", "--trainer", OTHER_ID, cwd=tmp_path)
     assert bad.returncode == 2 and "signatures    INVALID" in bad.stdout
     assert bad.stderr.startswith("swarm: error:")
+
+
+@pytest.mark.slow
+def test_a_peer_whose_trainer_dies_mid_run_says_so_and_gives_up(tmp_path: Path) -> None:
+    trainer = Lines(["trainer", "--data-dir", "t", "--steps", "50", "--prompts", "4",
+                     "--group", "2"], tmp_path)
+    with started(trainer):
+        cmd = trainer.wait_line("out", "swarm peer --bootstrap", 90).split()
+        tid = cmd[cmd.index("--trainer") + 1]
+        peer = Lines(["peer", *cmd[cmd.index("--bootstrap"):], "--data-dir", "p",
+                      "--warn-after", "2", "--trainer-timeout", "8"], tmp_path)
+        with started(peer):
+            peer.wait_line("out", "version 1 verified", 120)
+            trainer.proc.send_signal(signal.SIGKILL)
+            trainer.proc.wait(10)
+            # The trainer is gone: said every 2 s, then the peer gives up.
+            peer.wait_line("err", "unreachable for", 30)
+            assert peer.proc.wait(60) == 2
+            peer.stop()
+            last = peer.err[-1]
+            assert last.startswith(f"swarm: error: trainer {tid} unreachable for ")
+            assert "giving up (--trainer-timeout 8)" in last
+            assert not any("finished the run" in x for x in peer.out)
+            errs = "\n".join(peer.err)
+            assert "Traceback" not in errs
+            assert not any(x.startswith("Failed to open TCP stream") for x in peer.err)
+            assert sum("dial(s) failed" in x for x in peer.err) <= 2, errs
 
 
 @pytest.mark.slow

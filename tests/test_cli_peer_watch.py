@@ -27,7 +27,7 @@ async def test_the_no_manifest_warning_names_the_signers_seen(
         capsys: pytest.CaptureFixture[str]) -> None:
     others = OtherSigners()
     others.add(OTHER)
-    peer: Any = SimpleNamespace(verified=0, version=3, other_signers=others)
+    peer: Any = SimpleNamespace(verified=0, version=3, other_signers=others, run_over=None)
     net: Any = SimpleNamespace(connected_peers=frozenset, directory=dict)
     args = argparse.Namespace(trainer=TRAINER, warn_after=0.1, trainer_timeout=0.3,
                               data_dir=None)

@@ -444,6 +444,24 @@ def test_claim_limits_and_empty_queue() -> None:
     assert t.scores.score(MALLORY.peer_id) == 0  # no-work costs nothing
 
 
+def test_a_finished_run_tells_peers_at_its_last_version_and_updates_the_others() -> None:
+    """Peers of a finished run warned that the trainer was unreachable, and one with
+    --trainer-timeout exited with an error: nothing told them the run was over."""
+    t = make_trainer(n_tasks=3)
+    t.publish_version(1, 10.0)
+    t.finish()
+    [over] = t.handle(peer(ALICE).claim(11.0, tokens_per_s=4.0, version=1, want=1).encode(),
+                      11.0, sender=ALICE.peer_id)
+    assert isinstance(over, Verdict) and over.reason is Reason.RUN_OVER
+    assert over.detail == "the run finished at version 1"
+    [behind] = t.handle(peer(BOB).claim(11.0, tokens_per_s=4.0, version=0, want=1).encode(),
+                        11.0, sender=BOB.peer_id)
+    assert isinstance(behind, Verdict) and behind.reason is Reason.STALE_VERSION
+    assert t.queued == 3 and not t.live_leases()  # queued tasks are not leased any more
+    assert t.scores.score(ALICE.peer_id) == t.scores.score(BOB.peer_id) == 0
+    assert peer(ALICE).receive(over.encode(), 11.0, sender="t") is Reason.RUN_OVER
+
+
 def test_staleness_bound_on_results_and_claims() -> None:
     t = make_trainer(k=1)
     p = peer(ALICE)

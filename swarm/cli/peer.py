@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="say so when no manifest from the trainer came within this long, "
                         "and repeat this often while the trainer is unreachable")
     p.add_argument("--trainer-timeout", type=float, default=0.0, metavar="SECONDS",
-                   help="exit (status 2) once the trainer was unreachable this long "
-                        "(0: keep trying forever)")
+                   help="exit (status 2) once the trainer was unreachable this long; "
+                        "status 0 when it finished the run first and this peer holds its "
+                        "last version (0: keep trying forever)")
     p.add_argument("--engine", choices=("torch", "vllm"), default="torch",
                    help="what generates rollouts: transformers on torch, or vLLM (needs "
                         "the vllm extra)")
@@ -190,8 +191,10 @@ async def _main(args: argparse.Namespace) -> int:
                 watch.cancel()
                 closed.cancel()
                 traversal.cancel()
-            if watch.done() and not watch.cancelled() and watch.exception() is not None:
-                raise cast(BaseException, watch.exception())
+            if watch.done() and not watch.cancelled():
+                if watch.exception() is not None:
+                    raise cast(BaseException, watch.exception())
+                return 0  # the run is over and its trainer gone
             if peer.failure is not None:
                 raise peer.failure  # printed as one "swarm: error: ..." line
     return 1
@@ -327,12 +330,14 @@ async def _report_traversal(raw: Libp2pNode, report: Reporter) -> None:
 async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
                  report: Reporter) -> None:
     """Say when no manifest came from the named trainer, and while the trainer is gone;
-    give up after ``--trainer-timeout``."""
+    give up after ``--trainer-timeout`` (an error), or end there (returning) when the
+    trainer said it finished the run at the version this peer holds."""
     every = max(0.1, args.warn_after)
     start = time.monotonic()
     warned_manifest = False
     lost_since: float | None = start
     said_at = start
+    said_over = False
     kept = _kept_trainer_addrs(args)
     while True:
         await asyncio.sleep(min(1.0, every / 4))
@@ -365,7 +370,21 @@ async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
             continue
         if lost_since is None:
             lost_since = said_at = now
+            said_over = False
         gone = now - lost_since
+        if peer.run_over is not None and peer.run_over >= peer.version:
+            # a finished run's trainer leaving is no fault: said once, and a time-out ends
+            # the peer as done
+            if not said_over:
+                said_over = True
+                report.say(f"the trainer left after finishing the run at version "
+                           f"{peer.run_over}; waiting in case it goes on"
+                           + (f" (for --trainer-timeout {args.trainer_timeout:g} s)"
+                              if args.trainer_timeout else " (Ctrl-C to stop)"))
+            if args.trainer_timeout and gone >= args.trainer_timeout:
+                report.say(f"done: holding version {peer.version}, the run's last")
+                return
+            continue
         if args.trainer_timeout and gone >= args.trainer_timeout:
             raise TrainerGone(f"trainer {args.trainer} unreachable for {gone:.0f} s; giving "
                               f"up (--trainer-timeout {args.trainer_timeout:g})")

@@ -240,6 +240,7 @@ async def _main(args: argparse.Namespace) -> int:
                 chunks=len(pub.manifest.manifest.chunks), versions_used=versions,
                 peers=len(holders), egress=node.driver.exchange.bytes_up,
                 leases=node.leases.stats.as_dict(), checks=rejected.summary())
+        node.leases.finish()  # peers holding the last version are told the run is over
         report.emit("done", steps=cfg.steps, leases=node.leases.stats.as_dict(),
                     egress=node.driver.exchange.bytes_up, checks=rejected.summary())
         if not args.status_json and not args.quiet:

@@ -234,6 +234,12 @@ class RolloutPeer(NodeBase):
         return self.work.tasks_done
 
     @property
+    def run_over(self) -> int | None:
+        """The version at which the trainer said its run finished (this peer holds it), or
+        ``None`` while the run goes on."""
+        return self.work.run_over
+
+    @property
     def reconnects(self) -> int:
         return self.discovery.reconnects
 

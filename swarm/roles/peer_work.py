@@ -72,6 +72,9 @@ class LeasedWork:
         self._held_changed = asyncio.Event()
         self._tokens_per_s = 100.0
         self.tasks_done = 0
+        self.run_over: int | None = None
+        """The version this peer held when the trainer said its run finished there
+        (:attr:`Reason.RUN_OVER`); ``None`` again once the trainer leases work."""
 
     async def _send(self, data: bytes) -> None:
         with contextlib.suppress(SwarmError):
@@ -135,7 +138,15 @@ class LeasedWork:
             except TimeoutError:
                 continue  # no answer (lost, or the trainer is away): claim again
             if isinstance(answer, Lease):
+                if self.run_over is not None:
+                    self.run_over = None
+                    self._status("run_resumed", {"version": held})
                 await self.run_lease(answer)
+            elif answer is Reason.RUN_OVER:
+                if self.run_over is None:
+                    self.run_over = held
+                    self._status("run_over", {"version": held})
+                await asyncio.sleep(self.config.claim_retry)
             elif answer is Reason.STALE_VERSION:
                 # behind the staleness bound: claim again once a newer version is in
                 with contextlib.suppress(TimeoutError):

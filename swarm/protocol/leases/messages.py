@@ -80,6 +80,8 @@ class Reason(enum.StrEnum):
     TASK_NOT_IN_LEASE = "task_not_in_lease"
     BAD_SHAPE = "bad_shape"
     NO_WORK = "no_work"
+    RUN_OVER = "run_over"
+    """The trainer finished the run, and the claimant holds its last version."""
     BANNED = "banned"
     TOO_MANY_LEASES = "too_many_leases"
     REJECTED = "rejected"

@@ -240,6 +240,7 @@ class TrainerLeases:
         self._last_claim: dict[str, int] = {}
         self._fresh: list[Accepted] = []
         self._rejected: list[Rejected] = []
+        self._finished = False
         self.stats = LeaseStats()
         ops: list[StateOp] = []
         for act in snap.active:
@@ -338,6 +339,12 @@ class TrainerLeases:
             heapq.heappush(self._queue, t.task_id)
         self.stats.tasks_added += len(tasks)
         return tasks
+
+    def finish(self) -> None:
+        """The run is over (its last version is published): a claim from a peer holding
+        that version gets :attr:`Reason.RUN_OVER`, one from a peer behind it is told to
+        update first. Tasks still queued are never leased again by this book."""
+        self._finished = True
 
     def publish_version(self, version: int, now: float) -> None:
         """The policy moved to ``version``: the staleness bound moves with it.
@@ -459,6 +466,11 @@ class TrainerLeases:
                    if r.lease.holder == claim.signer and r.expires >= now)
         if held >= self._cfg.max_leases_per_peer:
             raise _Refused(Reason.TOO_MANY_LEASES, f"holds {held}")
+        if self._finished:
+            if claim.version < self._latest:
+                raise _Refused(Reason.STALE_VERSION, f"version {claim.version} < "
+                               f"{self._latest}, the run's last; update first", free=True)
+            raise _Refused(Reason.RUN_OVER, f"the run finished at version {self._latest}")
         floor = max(0, self._latest - self._cfg.max_staleness)
         if claim.version < floor:
             # A peer that says it is fetching a version inside the bound is catching up,
