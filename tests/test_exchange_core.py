@@ -969,3 +969,28 @@ def test_the_trainer_hands_out_again_a_first_copy_that_does_not_spread() -> None
     assert (other, Suggest(spec.obj, idx)) not in t.take_outgoing()  # over budget
     t.handle_timer(1.2)
     assert (other, Suggest(spec.obj, idx)) in t.take_outgoing()
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_a_chunk_two_untimed_mates_hold_is_asked_of_the_one_advertising_the_faster_uplink(
+        seed: int) -> None:
+    """With ``advertised_share`` (the simulator's peers with a directory's ranks), a
+    neighbour not timed yet is assumed to serve at that share of its advertised uplink:
+    a first chunk is asked of the mate on 1 Gbit/s, not of the one on 0.1 Gbit/s (a
+    piece there takes ten times as long). At ``initial_rate`` for both, the tie's hash
+    chose either."""
+    spec, chunks = make_object(1, seed=seed)
+    net = Net()
+    for k, name in enumerate(("slow", "fast"), 1):
+        mate = net.add(Exchange(name, seed=k, config=ExchangeConfig(unchoke_all=True)))
+        mate.add_object(spec, 0.0, dict(enumerate(chunks)))
+    me = net.add(Exchange("me", seed=seed, config=ExchangeConfig(advertised_share=1 / 16)))
+    me.connect("slow", 0.0, rtt=0.002, upload=12.5e6)
+    me.connect("fast", 0.0, rtt=0.002, upload=125e6)
+    for name in ("slow", "fast"):  # both announce and unchoke before I know the object
+        me.receive(name, Bitfield(spec.obj, 1, b"\x01"), 0.0)
+        me.receive(name, Unchoke(), 0.0)
+    me.take_outgoing()
+    me.add_object(spec, 0.0)
+    asked = [dst for dst, m in me.take_outgoing() if isinstance(m, Request)]
+    assert asked == ["fast"]

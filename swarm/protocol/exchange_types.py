@@ -96,6 +96,13 @@ class ExchangeConfig:
     """Seconds of ``download_rate`` kept requested (at least four chunks)."""
     initial_rate: float = 20e6
     """Assumed rate of a neighbour before any piece from it was timed."""
+    advertised_share: float = 0.0
+    """Of a neighbour that advertises its uplink, the rate assumed before any piece from it
+    was timed is this share of that uplink (at most ``initial_rate``): an uplink split
+    over its upload slots, erring low, so that a host that can hardly upload is not asked
+    for first copies as if it were fast (0: ``initial_rate`` for every neighbour). For the
+    simulator with a directory's ranks, where uploads are true (see ``rank_by_upload``);
+    real nodes leave it off, as an advertised upload is unchecked."""
     rate_alpha: float = 0.3
     """Weight of the newest sample in the per-neighbour rate average."""
     request_timeout: float = 3.0
