@@ -297,3 +297,33 @@ async def test_a_peer_stopped_while_it_saves_a_verified_version_resumes_at_that_
             assert peer.version == 1  # verified, still being written
         async with _peer(net, 5, pdir, []) as peer:
             assert peer.resumed_version == 1
+
+
+async def test_a_trainer_restarted_past_its_kept_deltas_does_not_warn_of_their_pruning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Deltas older than ``keep_versions`` are pruned as they should be: every restart of
+    a trainer past them printed a WARNING that their chunks were gone."""
+    net = _net(4)
+    master = build_model(CFG)
+    tdir = tmp_path / "trainer"
+
+    @contextlib.asynccontextmanager
+    async def trainer_node() -> AsyncIterator[TrainerNode]:
+        async with net.transport(TRAINER) as tnet, TrainerNode(
+                TRAINER, tnet, TrainerConfig(run="r", data_dir=tdir, piece_size=PIECE,
+                                             chunk_target=1 << 10, keep_versions=2)) as node:
+            yield node
+
+    async with trainer_node() as trainer:
+        await trainer.publish(inference_state(master))
+        for step in range(1, 5):
+            _nudge(master, step)
+            await trainer.publish(inference_state(master))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="swarm.roles.trainer"):
+        async with trainer_node() as trainer:
+            assert trainer.restored_step == 4
+            assert [m.manifest.step for m in trainer.manifests] == [2, 3, 4]
+    gone = [r for r in caplog.records if "are gone" in r.getMessage()]
+    assert [(r.levelname, r.getMessage().split(";")[0]) for r in gone] == \
+        [("INFO", "restore: chunks of step 1 are gone")]

@@ -244,8 +244,11 @@ class TrainerNode(NodeBase):
                 continue
             data = await asyncio.to_thread(self._stored_chunks, sm)
             if data is None:
-                log.warning("restore: chunks of step %d are gone; peers behind it get a "
-                            "keyframe", sm.manifest.step)
+                # past the deltas kept for catch-up they were pruned, as they should be
+                level = logging.INFO if len(kept) > self.config.keep_versions \
+                    else logging.WARNING
+                log.log(level, "restore: chunks of step %d are gone; peers behind it get a "
+                        "keyframe", sm.manifest.step)
                 break
             objects.append((ObjectSpec.from_manifest(sm), data))
             kept.append(sm)
