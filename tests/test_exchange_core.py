@@ -994,3 +994,24 @@ def test_a_chunk_two_untimed_mates_hold_is_asked_of_the_one_advertising_the_fast
     me.add_object(spec, 0.0)
     asked = [dst for dst, m in me.take_outgoing() if isinstance(m, Request)]
     assert asked == ["fast"]
+
+
+def test_neighbours_holding_everything_are_known_from_haves_of_chunks_held_here() -> None:
+    """A have of a chunk this node holds updates only what that neighbour lacks (the
+    simulator spends most of its time on these): the trainer still learns who holds a
+    whole version, and a neighbour that leaves is no longer counted."""
+    spec, chunks = make_object(3)
+    me = Exchange("me", seed=1)
+    me.add_object(spec, 0.0, dict(enumerate(chunks)))
+    for name in ("a", "b"):
+        me.connect(name, 0.0, rtt=0.01)
+        me.receive(name, Bitfield(spec.obj, 3, b"\x00"), 0.0)
+    for idx in range(3):
+        me.receive("a", Have(spec.obj, idx), 1.0)
+    me.receive("b", Have(spec.obj, 0), 1.0)
+    assert me.holders_of(spec.obj) == {"a"}
+    me.disconnect("a", 2.0)
+    assert me.holders_of(spec.obj) == frozenset()
+    me.connect("a", 3.0, rtt=0.01)
+    me.receive("a", Bitfield(spec.obj, 3, b"\x07"), 3.0)
+    assert me.holders_of(spec.obj) == {"a"}

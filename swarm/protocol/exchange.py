@@ -171,9 +171,10 @@ class Exchange(DownloadSide, UploadSide):
         """Neighbours that announced every chunk of ``obj`` (none if it is not exchanged
         or has no chunks)."""
         o = self._objects.get(obj)
-        if o is None or not o.holders:
+        n = 0 if o is None else len(o.spec.sizes)
+        if not n:
             return frozenset()
-        return frozenset(set.intersection(*(set(h) for h in o.holders)))
+        return frozenset(q for q, p in self._peers.items() if len(p.haves.get(obj, ())) == n)
 
     def bytes_from(self, peer: str) -> int:
         """Bytes of verified pieces received from ``peer`` over its current connection."""
@@ -315,7 +316,8 @@ class Exchange(DownloadSide, UploadSide):
                 o = self._objects.get(obj)
                 if o is not None:
                     for idx in idxs:
-                        o.local[idx] += step
+                        if p.peer in o.holders[idx]:
+                            o.local[idx] += step
         always = self._always_unchoked(region, trainer)
         if always and not p.always and p.we_choke:
             p.we_choke = False
@@ -346,11 +348,14 @@ class Exchange(DownloadSide, UploadSide):
             o = self._objects.get(obj)
             if o is None:
                 continue
+            local = self._is_local(p)
             for idx in idxs:
-                o.holders[idx].discard(peer)
-                o.availability[idx] -= 1
-                if self._is_local(p):
-                    o.local[idx] -= 1
+                holders = o.holders[idx]
+                if peer in holders:  # (not counted: announced after it was held here)
+                    holders.discard(peer)
+                    o.availability[idx] -= 1
+                    if local:
+                        o.local[idx] -= 1
         for obj, idx in p.out:
             o = self._objects.get(obj)
             if o is not None:
@@ -599,6 +604,13 @@ class Exchange(DownloadSide, UploadSide):
         s.add(idx)
         if o is None:
             p.unknown_bits += 1
+            return
+        if idx in o.have and not self.config.super_seed:
+            # held here (most haves, late in a transfer): only what the neighbour lacks
+            # changes; who else holds a chunk matters to fetching it, over for this one
+            p.common[obj] = p.common.get(obj, 0) + 1
+            if not p.trainer:
+                o.last_progress = now
             return
         holders = o.holders[idx]
         if p.peer not in holders:  # _add_holder, inlined
