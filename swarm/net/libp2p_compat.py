@@ -319,6 +319,13 @@ def is_security_failure(exc: BaseException) -> bool:
     return mentions(exc, ("security", "handshake", "peer id"))
 
 
+def is_unanswered_dial(exc: BaseException) -> bool:
+    """No connection was made to any address dialled (py-libp2p's "unable to connect to
+    PEER, no addresses established a successful connection", whose socket error it logs
+    but does not chain)."""
+    return mentions(exc, ("no addresses established",))
+
+
 def is_refusal(exc: BaseException) -> bool:
     """The peer answered that it does not serve the protocol (a live connection)."""
     return mentions(exc, ("not supported",))

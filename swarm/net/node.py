@@ -308,11 +308,11 @@ class Libp2pNode:
             try:
                 await self.connect(addr)
             except (PeerUnreachable, PeerIdMismatch) as exc:
-                errors.append(f"{addr}: {exc}")
+                errors.append(str(exc))  # (it names the address)
         if len(errors) == len(self.config.bootstrap):
             raise PeerUnreachable("no bootstrap node answered: " + "; ".join(errors))
         for err in errors:  # (all of them failing is the error above, said once)
-            logger.warning("bootstrap %s failed", err)
+            logger.warning("bootstrap: %s", err)
 
     async def _check_reach(self) -> None:
         """Ask a bootstrap node to dial us back (:mod:`swarm.net.reach`); behind a NAT,
@@ -459,7 +459,9 @@ class Libp2pNode:
                 raise PeerIdMismatch(
                     f"the node at {address} did not prove peer id {peer} (Noise handshake "
                     f"failed: wrong peer id in the address, or not a libp2p node)") from exc
-            raise PeerUnreachable(f"libp2p dial of {address} failed: {exc}") from exc
+            why = ("nothing answered (no node listening there, or the address is not "
+                   "reachable from here)" if compat.is_unanswered_dial(exc) else str(exc))
+            raise PeerUnreachable(f"libp2p dial of {address} failed: {why}") from exc
 
     async def _trio_connect(self, address: str, fresh: bool) -> None:
         """Dial ``address`` (a deliberate dial: libp2p's memory of failed ones is ignored).
