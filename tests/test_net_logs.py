@@ -6,7 +6,8 @@ import logging
 
 import pytest
 
-from swarm.net.logs import DialFailures, route_libp2p_logging
+from swarm.net import logs
+from swarm.net.logs import DialFailures, expect_dial_failures, route_libp2p_logging
 
 
 def test_libp2p_records_are_forwarded_under_swarm_net(caplog: pytest.LogCaptureFixture
@@ -72,3 +73,23 @@ def test_failed_dials_are_summed_up_once_a_minute_not_at_the_first() -> None:
                        "10.0.0.2:4001 (1x) (retried with backoff)")
     now[0] += 500.0
     assert fail("10.0.0.3:4001") is None  # a new window, not a summary of one failure
+
+
+def test_dial_failures_a_peer_expects_are_summed_up_at_info(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer whose trainer finished the run and left redials it: those failures are
+    expected, and were a WARNING a minute."""
+    now = [0.0]
+    monkeypatch.setattr(logs, "_DIALS", DialFailures(clock=lambda: now[0]))
+    route_libp2p_logging()
+    log = logging.getLogger("libp2p.transport.tcp")
+    levels = []
+    for expected in (True, False):
+        expect_dial_failures(expected)
+        with caplog.at_level(logging.DEBUG, logger="swarm.net.libp2p"):
+            caplog.clear()
+            for _ in range(2):  # the first opens a window, the one a minute on sums it up
+                log.error("Failed to open TCP stream to %s failed", "dial to 10.0.0.9:1")
+                now[0] += 61.0
+        levels += [r.levelname for r in caplog.records if r.name == "swarm.net.libp2p"]
+    assert levels == ["INFO", "WARNING"]

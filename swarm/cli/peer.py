@@ -33,6 +33,7 @@ from swarm.cli._node import (
 )
 from swarm.engines import CHEAT_STRATEGIES
 from swarm.errors import SwarmError
+from swarm.net.logs import expect_dial_failures
 from swarm.protocol.exchange import ExchangeConfig
 
 if TYPE_CHECKING:
@@ -338,6 +339,7 @@ async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
     lost_since: float | None = start
     said_at = start
     said_over = False
+    said_finished: int | None = None
     kept = _kept_trainer_addrs(args)
     while True:
         await asyncio.sleep(min(1.0, every / 4))
@@ -363,22 +365,27 @@ async def _watch(peer: RolloutPeer, net: Network, args: argparse.Namespace,
                   f"no manifest from trainer {args.trainer} within {every:.0f} s; {why}",
                   trainer=args.trainer, seconds=round(now - start, 1), connected=here,
                   signers=signers)
+        over = peer.run_over
+        if over is not None and over != said_finished:
+            said_finished = over
+            report.say(f"the trainer finished the run at version {over}, which this peer "
+                       "holds; no more work unless it goes on")
         if here:
-            if lost_since is not None and peer.verified > 0 and now - lost_since >= every:
-                report.say(f"trainer reachable again after {now - lost_since:.0f} s")
-            lost_since = None
+            lost_since = None  # (the peer's own line says the trainer is back)
+            expect_dial_failures(False)
             continue
         if lost_since is None:
             lost_since = said_at = now
             said_over = False
         gone = now - lost_since
-        if peer.run_over is not None and peer.run_over >= peer.version:
-            # a finished run's trainer leaving is no fault: said once, and a time-out ends
-            # the peer as done
+        if over is not None and over >= peer.version:
+            # a finished run's trainer leaving is no fault: said once (its redials failing
+            # are expected), and a time-out ends the peer as done
             if not said_over:
                 said_over = True
+                expect_dial_failures(True)
                 report.say(f"the trainer left after finishing the run at version "
-                           f"{peer.run_over}; waiting in case it goes on"
+                           f"{over}; waiting in case it goes on"
                            + (f" (for --trainer-timeout {args.trainer_timeout:g} s)"
                               if args.trainer_timeout else " (Ctrl-C to stop)"))
             if args.trainer_timeout and gone >= args.trainer_timeout:

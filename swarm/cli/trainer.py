@@ -128,6 +128,7 @@ async def _main(args: argparse.Namespace) -> int:
     from swarm.engines.rollout_check import PolicyWindow
     from swarm.net.node import Libp2pNode
     from swarm.protocol.leases import Sampling
+    from swarm.roles.status import human_bytes
     from swarm.roles.trainer import TrainerConfig, TrainerNode
 
     torch.set_num_threads(1)
@@ -252,8 +253,10 @@ async def _main(args: argparse.Namespace) -> int:
         report.emit("delivered", step=node.step, peers=len(peers), have=len(have),
                     seconds=round(took, 3), egress=node.driver.exchange.bytes_up)
         short = "" if have >= peers else f" within --linger {args.linger:g} s"
+        egress = human_bytes(node.driver.exchange.bytes_up)
         report.say(f"last version {node.step} reached {len(have)} of {len(peers)} connected "
-                   f"peer(s){short} ({took:.1f} s); seeding until --linger ends")
+                   f"peer(s){short} ({took:.1f} s; trainer egress {egress} in all so far); "
+                   "seeding until --linger ends")
         await asyncio.sleep(max(0.0, args.linger - took))
     return 0
 

@@ -17,8 +17,9 @@ Two things it takes care of:
   callers (the peer's discovery with its backoff, the bootstrap redial) handle these
   failures themselves. They are counted, not forwarded: one WARNING line under
   ``swarm.net.libp2p`` sums up each :data:`DIAL_SUMMARY_S` seconds that had some, at the
-  next failure after them (each one is still forwarded at DEBUG). A node that cannot
-  reach its bootstrap says so in its own error line, without a summary before it.
+  next failure after them (each one is still forwarded at DEBUG); at INFO while
+  :func:`expect_dial_failures` says they are expected. A node that cannot reach its
+  bootstrap says so in its own error line, without a summary before it.
 - yamux logs an ERROR ("Error in handle_incoming ... ClosedResourceError") whenever a
   connection this node closed itself is read once more: every refused reconnection of
   a banned peer printed one. It is forwarded at DEBUG.
@@ -54,6 +55,8 @@ class DialFailures:
         self.targets: dict[str, int] = {}
         self._since: float | None = None
         """When the failures counted now began (None: none counted)."""
+        self.level = logging.WARNING
+        """Of the summary lines (INFO while failures are expected)."""
 
     def add(self, record: logging.LogRecord) -> str | None:
         """Count ``record``; the summary line to log now, if one is due."""
@@ -98,7 +101,7 @@ class _Forward(logging.Handler):
                 and record.msg.startswith(_DIAL_FAILED):
             summary = _DIALS.add(record)
             if summary is not None:
-                logging.getLogger(PREFIX).warning("%s", summary)
+                logging.getLogger(PREFIX).log(_DIALS.level, "%s", summary)
             level = logging.DEBUG
         elif _expected(record, level):
             level = logging.DEBUG
@@ -111,6 +114,12 @@ class _Forward(logging.Handler):
 
 
 _HANDLER = _Forward()
+
+
+def expect_dial_failures(expected: bool) -> None:
+    """Sum up failed dials at INFO while ``expected`` (a peer redialling the trainer of a
+    finished run, which it has said), at WARNING otherwise."""
+    _DIALS.level = logging.INFO if expected else logging.WARNING
 
 
 def route_libp2p_logging() -> None:

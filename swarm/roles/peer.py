@@ -235,9 +235,10 @@ class RolloutPeer(NodeBase):
 
     @property
     def run_over(self) -> int | None:
-        """The version at which the trainer said its run finished (this peer holds it), or
-        ``None`` while the run goes on."""
-        return self.work.run_over
+        """The version at which the trainer said its run finished, once this peer has
+        verified it (its line said so), or ``None`` while the run goes on."""
+        over = self.work.run_over
+        return over if over is not None and self.follower.version >= over else None
 
     @property
     def reconnects(self) -> int:

@@ -172,9 +172,6 @@ class _Progress:
                     f"{f.get('reason')}")
         if event == "dropped":
             return f"dropped neighbour {f.get('peer')}: {f.get('reason')}"
-        if event == "run_over":
-            return (f"the trainer finished the run at version {f.get('version')}, which this "
-                    "peer holds; no more work unless it goes on")
         if event == "run_resumed":
             return "the trainer went on with the run: leasing work again"
         if event == "resume_refused":
