@@ -232,7 +232,7 @@ class Exchange(DownloadSide, UploadSide):
         metadata."""
         if peer in self._banned or peer in self._peers or peer == self.me:
             return
-        p = PeerState(peer, region, max(rtt, 1e-4), trainer, self._assumed_rate(upload, trainer),
+        p = PeerState(peer, region, max(rtt, 1e-4), trainer, self._assumed_rate(upload),
                   key=picker.peer_key(peer), upload=max(0.0, upload),
                   download=max(0.0, download))
         p.tie = (p.key ^ self._salt) * 0x9E3779B1 & 0xFFFFFFFF
@@ -252,12 +252,11 @@ class Exchange(DownloadSide, UploadSide):
             self._out.append((peer, Unchoke()))
         self._update_interest(now)
 
-    def _assumed_rate(self, upload: float, trainer: bool) -> float:
+    def _assumed_rate(self, upload: float) -> float:
         """A neighbour's rate to us before any piece from it was timed (see
-        ``advertised_share``; the trainer's is ``initial_rate``: what it sends is governed
-        by its super-seeding, not by our choice of source)."""
+        ``advertised_share``)."""
         cfg = self.config
-        if upload <= 0 or trainer or cfg.advertised_share <= 0:
+        if upload <= 0 or cfg.advertised_share <= 0:
             return cfg.initial_rate
         return min(cfg.initial_rate, max(1.0, upload * cfg.advertised_share))
 
@@ -307,8 +306,8 @@ class Exchange(DownloadSide, UploadSide):
         which chunks region-mates hold, the import ranks, the remote neighbours kept
         unchoked."""
         was_local = self._is_local(p)
-        if (upload, trainer) != (p.upload, p.trainer) and not p.bytes_from:
-            self._set_rate(p, self._assumed_rate(upload, trainer))  # nothing timed yet
+        if upload != p.upload and not p.bytes_from:
+            self._set_rate(p, self._assumed_rate(upload))  # nothing timed yet
         p.region, p.trainer, p.upload = region, trainer, upload
         if self._is_local(p) != was_local:
             step = -1 if was_local else 1
