@@ -18,7 +18,11 @@ from swarm.engines.torch_engine import TorchEngine
 from swarm.errors import NodeFailed
 from swarm.identity import Identity
 from swarm.net.memory import LinkProfile, MemoryNetwork
+from swarm.protocol.leases import PeerLeases, Reason
+from swarm.roles.common import Clock
+from swarm.roles.mux import Mux
 from swarm.roles.peer import PeerConfig, RolloutPeer
+from swarm.roles.peer_work import LeasedWork, WorkConfig
 from swarm.roles.tasks import TaskGroup
 from swarm.roles.trainer import TrainerConfig, TrainerNode
 
@@ -100,3 +104,26 @@ async def test_peer_whose_start_fails_leaves_nothing_running(tmp_path: Path) -> 
         assert {t.get_name() for t in left} <= {asyncio.current_task().get_name()}  # type: ignore[union-attr]
         with pytest.raises(NodeFailed):
             await peer.wait_version(0)
+
+
+@pytest.mark.parametrize("answer", [Reason.NO_WORK, Reason.STALE_VERSION])
+async def test_a_peer_stopped_as_an_answer_to_its_claim_comes_stops(answer: Reason) -> None:
+    """The claim loop stops when it is cancelled in the very step an answer arrives.
+    Python 3.11's ``asyncio.wait_for`` returned the answer there and swallowed the
+    cancellation: the loop claimed on, and the peer's stop waited on it for ever."""
+    net = MemoryNetwork(seed=2)
+    ident = Identity.from_seed(b"C" * 32)
+    async with net.transport(TRAINER) as trainer, net.transport(ident) as t:
+        await t.connect(trainer.listen_addresses[0])
+        work = LeasedWork(PeerLeases(ident, TRAINER.public_key, "run"), Mux(t),
+                          TorchEngine(build_model(CFG, dtype=torch.bfloat16)), asyncio.Lock(),
+                          WorkConfig(trainer=TRAINER.peer_id), Clock(),
+                          version=lambda: (0, b"\0" * 32), status=lambda *_: None,
+                          on_stale=lambda: None)
+        work.ready.set()
+        claims = asyncio.create_task(work.claims())
+        await asyncio.wait_for(trainer.recv(), 5)  # the claim: the loop now awaits its answer
+        work._inbox.put_nowait(answer)
+        claims.cancel()
+        done, _ = await asyncio.wait({claims}, timeout=5)
+        assert claims in done and claims.cancelled()

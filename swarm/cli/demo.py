@@ -159,7 +159,8 @@ async def _main(args: argparse.Namespace) -> int:
         exits before it is ready ends the demo with the reason from its log."""
         while True:
             try:
-                ev = await asyncio.wait_for(events.get(), timeout=0.5)
+                async with asyncio.timeout(0.5):
+                    ev = await events.get()
             except TimeoutError:
                 if proc.returncode is not None:
                     raise SwarmError(_exited(name, proc.returncode, base)) from None
@@ -218,7 +219,8 @@ async def _main(args: argparse.Namespace) -> int:
                 await add_peer(cheat=args.cheater)
             while True:
                 try:
-                    ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                    async with asyncio.timeout(1.0):
+                        ev = await events.get()
                 except TimeoutError:
                     display.render(st, time.perf_counter() - t_start)
                     if trainer.returncode is not None:
@@ -252,7 +254,8 @@ async def _main(args: argparse.Namespace) -> int:
                     proc.send_signal(signal.SIGTERM)
         for proc in procs:
             try:
-                await asyncio.wait_for(proc.wait(), timeout=15)
+                async with asyncio.timeout(15):
+                    await proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

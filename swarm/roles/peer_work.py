@@ -133,8 +133,8 @@ class LeasedWork:
                 downloading=fetching if fetching is not None and fetching > held else None)
             await self._send(claim.encode())
             try:
-                answer = await asyncio.wait_for(self._inbox.get(),
-                                                timeout=self.config.claim_retry * 4)
+                async with asyncio.timeout(self.config.claim_retry * 4):
+                    answer = await self._inbox.get()
             except TimeoutError:
                 continue  # no answer (lost, or the trainer is away): claim again
             if isinstance(answer, Lease):
@@ -150,7 +150,8 @@ class LeasedWork:
             elif answer is Reason.STALE_VERSION:
                 # behind the staleness bound: claim again once a newer version is in
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.installed.wait(), self.config.stale_wait)
+                    async with asyncio.timeout(self.config.stale_wait):
+                        await self.installed.wait()
             else:
                 # no work yet (the trainer is training), or we hold enough: ask again
                 # shortly, not after the time-out for an answer that already came
