@@ -8,11 +8,13 @@ A background task that fails stops the node and reaches whoever waits on it
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from swarm.aio import cancel_and_wait
 from swarm.demo.model import TinyModelConfig, build_model, inference_state
 from swarm.engines.torch_engine import TorchEngine
 from swarm.errors import NodeFailed
@@ -127,3 +129,51 @@ async def test_a_peer_stopped_as_an_answer_to_its_claim_comes_stops(answer: Reas
         claims.cancel()
         done, _ = await asyncio.wait({claims}, timeout=5)
         assert claims in done and claims.cancelled()
+
+
+async def test_a_task_that_swallows_its_cancel_does_not_hold_up_a_stop_for_ever(
+        caplog: pytest.LogCaptureFixture) -> None:
+    group = TaskGroup("node")
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def stubborn() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await release.wait()  # swallowed: goes on until released
+
+    task = group.spawn(stubborn(), "stubborn")
+    assert task is not None
+    await started.wait()
+    with caplog.at_level(logging.WARNING):
+        await cancel_and_wait([task], "node", grace=0.2)
+    assert not task.done()
+    assert "node: task stubborn did not stop within 0.2 s of being cancelled" in caplog.text
+    release.set()
+    await group.close()
+    assert task.done()
+
+
+async def test_a_stop_cancelled_itself_is_cancelled() -> None:
+    """Waiting for cancelled tasks does not swallow a cancellation of the one waiting."""
+    gate = asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await gate.wait()
+            raise
+
+    inner = asyncio.create_task(slow_to_stop())
+    await asyncio.sleep(0)
+    stopper = asyncio.create_task(cancel_and_wait([inner], "node"))
+    await asyncio.sleep(0)
+    stopper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopper
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await inner

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 
 import trio
 
+from swarm.aio import cancel_and_wait
 from swarm.errors import DecodeError, LocalProtocolError, SignatureError
 from swarm.identity import Identity
 from swarm.net import libp2p_compat as compat
@@ -256,11 +257,7 @@ class Libp2pNode:
         self._events.close()
 
     async def _stop_tasks(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(list(self._tasks), "node")
 
     def _spawn(self, coro: Any, name: str) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro, name=name)

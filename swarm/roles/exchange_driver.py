@@ -9,12 +9,12 @@ so a cancel can still withdraw a piece not yet on the wire).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections import deque
 from collections.abc import Callable, Mapping
 
+from swarm.aio import cancel_and_wait
 from swarm.content.ids import DIGEST_LEN
 from swarm.net.transport import Message, PeerUnreachable, TransportClosed
 from swarm.protocol.exchange import (
@@ -82,12 +82,8 @@ class ExchangeDriver:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        tasks = self._tasks + [lk.task for lk in self._links.values() if lk.task]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks + [lk.task for lk in self._links.values() if lk.task],
+                              "exchange")
         self._links.clear()
 
     def flood_haves(self, period: float = FLOOD_PERIOD) -> None:

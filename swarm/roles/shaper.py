@@ -9,12 +9,12 @@ uplink bucket (shared by all destinations, as an access link is).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
+from swarm.aio import cancel_and_wait
 from swarm.net.transport import (
     Message,
     PeerEvent,
@@ -87,11 +87,7 @@ class ShapedNetwork:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        for t in self._pumps.values():
-            t.cancel()
-        for t in self._pumps.values():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(list(self._pumps.values()), "shaper")
 
     def _latency(self, peer: str) -> float:
         same = self.region_of(peer) == self.my_region

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
+from swarm.aio import cancel_and_wait
 from swarm.errors import NodeFailed
 from swarm.net.transport import TransportClosed
 
@@ -106,11 +107,7 @@ class TaskGroup:
         """Cancel every task and wait for them to end."""
         self.closed.set()
         tasks = dict(self._tasks)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(tasks.keys(), self.name)
         for coro in tasks.values():
             coro.close()  # a task cancelled before it ran never started its coroutine
         self._tasks.clear()
