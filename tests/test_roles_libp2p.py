@@ -66,7 +66,8 @@ async def test_six_peers_verify_a_multichunk_delta_despite_a_corrupt_and_a_dead_
                 for prm in master.parameters():
                     mask = torch.rand(prm.shape, generator=gen) < 0.2
                     prm.add_(mask * torch.randn(prm.shape, generator=gen) * 1e-2)
-            pub = await trainer.publish(inference_state(master))
+            async with asyncio.timeout(60):
+                pub = await trainer.publish(inference_state(master))
             assert len(pub.manifest.manifest.chunks) >= 8
             # Kill one peer as soon as it holds part of the delta.
             obj = pub.manifest.id
@@ -76,8 +77,9 @@ async def test_six_peers_verify_a_multichunk_delta_despite_a_corrupt_and_a_dead_
                     await asyncio.sleep(0.01)
             held, total = victim.driver.exchange.progress(obj)
             assert 0 < held < total  # killed mid-transfer
-            await victim.__aexit__(None, None, None)
-            await nodes[1].aclose()
+            async with asyncio.timeout(90):
+                await victim.__aexit__(None, None, None)
+                await nodes[1].aclose()
             async with asyncio.timeout(90):
                 for p in honest:
                     await p.wait_version(1)
