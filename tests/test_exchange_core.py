@@ -1015,3 +1015,49 @@ def test_neighbours_holding_everything_are_known_from_haves_of_chunks_held_here(
     me.connect("a", 3.0, rtt=0.01)
     me.receive("a", Bitfield(spec.obj, 3, b"\x07"), 3.0)
     assert me.holders_of(spec.obj) == {"a"}
+
+
+def test_a_peer_back_from_a_restart_is_handed_a_chunk_another_peer_took_last() -> None:
+    """The trainer's count of suggestions still pending is freed once the peer announces
+    them, also by its last announcement (that one used to be left counted: the chunk then
+    counted as handed out for ever, and a peer catching up on that version after a
+    restart was never handed it, while the one holder had moved on and dropped it)."""
+    spec, chunks = make_object(2)
+    t = Exchange("t", region="r", seed=1, config=ExchangeConfig(
+        unchoke_all=True, super_seed=True, super_seed_budget=0.0))
+    t.add_object(spec, 0.0, dict(enumerate(chunks)))
+    t.connect("a", 0.0, region="r")
+    t.receive("a", Bitfield(spec.obj, 2, bits_of(set(), 2)), 0.0)
+    for step in range(2):
+        (idx,) = [m.index for dst, m in t.take_outgoing() if isinstance(m, Suggest)]
+        t.receive("a", Have(spec.obj, idx), 0.1 * (step + 1))
+    t.connect("b", 5.0, region="r")
+    t.receive("b", Bitfield(spec.obj, 2, bits_of(set(), 2)), 5.0)
+    handed = set()
+    for step in range(2):
+        t.handle_timer(5.0 + step)
+        for dst, m in t.take_outgoing():
+            if isinstance(m, Suggest) and dst == "b":
+                handed.add(m.index)
+                t.receive("b", Have(spec.obj, m.index), 5.0 + step)
+    assert handed == {0, 1}
+
+
+def test_a_holder_that_keeps_choking_us_is_not_waited_for_for_ever() -> None:
+    """A neighbour announced a chunk and never unchokes us (it may have dropped that
+    version since: dropping is not announced). Past ``choked_wait`` the trainer, which
+    holds it too, is asked; before, the peer waited on that neighbour for good."""
+    spec, _ = make_object(2)
+    me = Exchange("me", region="r", seed=1)
+    me.add_object(spec, 0.0)
+    me.connect("t", 0.0, region="r", trainer=True)
+    me.receive("t", Bitfield(spec.obj, 2, bits_of({0, 1}, 2)), 0.0)
+    me.receive("t", Unchoke(), 0.0)
+    me.connect("p0", 0.0, region="far")
+    me.receive("p0", Bitfield(spec.obj, 2, bits_of({0, 1}, 2)), 0.0)
+    me.handle_timer(2.0)
+    assert not [m for dst, m in me.take_outgoing() if isinstance(m, Request)]
+    wait = ExchangeConfig().choked_wait
+    me.handle_timer(wait + 0.1)
+    asked = [(dst, m.index) for dst, m in me.take_outgoing() if isinstance(m, Request)]
+    assert sorted(asked) == [("t", 0), ("t", 1)]

@@ -236,6 +236,7 @@ class Exchange(DownloadSide, UploadSide):
                   key=picker.peer_key(peer), upload=max(0.0, upload),
                   download=max(0.0, download))
         p.tie = (p.key ^ self._salt) * 0x9E3779B1 & 0xFFFFFFFF
+        p.choked_since = now
         self._peers[peer] = p
         self._locals = None
         self._keys = None
@@ -576,7 +577,9 @@ class Exchange(DownloadSide, UploadSide):
         elif isinstance(msg, Choke):
             # no new requests to p; it rejects those it had queued (each Reject frees the
             # chunk for another source) and the piece already on the wire still arrives
-            p.choked_us = True
+            if not p.choked_us:
+                p.choked_us = True
+                p.choked_since = now
             self._unchokers.pop(p.peer, None)
         elif isinstance(msg, Unchoke):
             p.choked_us = False

@@ -266,6 +266,9 @@ class DownloadSide(ExchangeState):
             p = peers[h]
             # usable: not excluded and room for a request (see _room)
             usable = not p.choked_us and p.depth > len(p.out) and h not in exclude
+            if not usable and p.choked_us and not p.trainer \
+                    and now - p.choked_since >= cfg.choked_wait:
+                continue  # choked us for long: see ExchangeConfig.choked_wait
             if p.trainer:
                 seeded = True
                 if usable:

@@ -77,6 +77,8 @@ class PeerState:
     """Per known object: chunks it announced that we hold too (``_interested`` compares
     this with what we hold)."""
     choked_us: bool = True
+    choked_since: float = 0.0
+    """When it last choked us (or connected: a neighbour starts choked)."""
     we_choke: bool = True
     optimistic: bool = False
     always: bool = False

@@ -119,6 +119,11 @@ class ExchangeConfig:
     last_resort_delay: float = 1.0
     """How long the swarm must make no progress on an object before a chunk that nobody
     else offers is asked of the trainer."""
+    choked_wait: float = 5.0
+    """How long a holder that chokes us is waited for. Past that it is no reason not to
+    turn to the trainer: it may have dropped the object since it announced it (a peer
+    keeps a few versions; a peer back from a restart asks for older ones), and a
+    dropped object is not announced."""
     super_seed: bool = False
     """Hand each neighbour chunks few others hold (the trainer)."""
     fetch: bool = True

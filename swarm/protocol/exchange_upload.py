@@ -281,12 +281,16 @@ class UploadSide(ExchangeState):
         cfg = self.config
         theirs = p.haves.get(o.spec.obj)
         n = len(o.spec.sizes)
-        if not self._seeding(o) or theirs is None or len(theirs) >= n or p.we_choke:
+        if theirs is None:
             return
         outstanding = p.suggested_to.setdefault(o.spec.obj, set())
+        # suggestions it announced are no longer pending (also once it holds everything:
+        # a count left behind kept the chunk from ever being suggested to another peer)
         for i in outstanding & theirs:
             o.pending[i] -= 1
         outstanding -= theirs
+        if not self._seeding(o) or len(theirs) >= n or p.we_choke:
+            return
         # one suggestion each at least (far neighbours announce themselves last), more
         # while the total stays under suggest_total
         want = min(cfg.suggest_depth - len(outstanding),
