@@ -108,6 +108,7 @@ class TaskGroup:
         self.closed.set()
         tasks = dict(self._tasks)
         await cancel_and_wait(tasks.keys(), self.name)
-        for coro in tasks.values():
-            coro.close()  # a task cancelled before it ran never started its coroutine
+        for task, coro in tasks.items():
+            if task.done():  # (not one left running: see cancel_and_wait)
+                coro.close()  # a task cancelled before it ran never started its coroutine
         self._tasks.clear()
