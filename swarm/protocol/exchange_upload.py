@@ -283,14 +283,18 @@ class UploadSide(ExchangeState):
         n = len(o.spec.sizes)
         if theirs is None:
             return
-        outstanding = p.suggested_to.setdefault(o.spec.obj, set())
-        # suggestions it announced are no longer pending (also once it holds everything:
-        # a count left behind kept the chunk from ever being suggested to another peer)
-        for i in outstanding & theirs:
-            o.pending[i] -= 1
-        outstanding -= theirs
+        outstanding = p.suggested_to.get(o.spec.obj)
+        if outstanding:
+            # suggestions it announced are no longer pending (also once it holds
+            # everything: a count left behind kept the chunk from ever being suggested to
+            # another peer)
+            for i in outstanding & theirs:
+                o.pending[i] -= 1
+            outstanding -= theirs
         if not self._seeding(o) or len(theirs) >= n or p.we_choke:
             return
+        if outstanding is None:
+            outstanding = p.suggested_to[o.spec.obj] = set()
         # one suggestion each at least (far neighbours announce themselves last), more
         # while the total stays under suggest_total
         want = min(cfg.suggest_depth - len(outstanding),
