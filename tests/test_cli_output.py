@@ -359,3 +359,82 @@ def test_a_flag_argparse_refuses_is_one_error_line(tmp_path: Path, argv: list[st
     """It printed argparse's usage block, 17 lines for ``swarm peer``."""
     out = swarm(*argv, cwd=tmp_path)
     one_error_line(out, needle, f"(see `swarm {argv[0]}")
+
+
+@contextmanager
+def held_port() -> Iterator[int]:
+    """A loopback port some other program listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("command", ["trainer", "bootstrap", "peer"])
+def test_a_listen_port_in_use_is_one_error_line(tmp_path: Path, command: str) -> None:
+    """A newcomer's trial: trainer and bootstrap ended in a traceback (IndexError), and a
+    peer ran on, listening nowhere."""
+    extra = {"trainer": ["--steps", "1"], "bootstrap": [],
+             "peer": ["--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{OTHER_ID}",
+                      "--trainer", OTHER_ID]}[command]
+    with held_port() as port:
+        listen = f"/ip4/127.0.0.1/tcp/{port}"
+        out = swarm(command, "--listen", listen, "--data-dir", "n", *extra, cwd=tmp_path)
+    one_error_line(out, f"cannot listen on {listen}: address already in use")
+
+
+def test_a_metrics_port_in_use_is_named_in_one_error_line(tmp_path: Path) -> None:
+    with held_port() as port:
+        out = swarm("bootstrap", "--metrics-port", str(port), "--data-dir", "b",
+                    "--listen", "/ip4/127.0.0.1/tcp/0", cwd=tmp_path)
+    one_error_line(out, f"--metrics-port {port}: address already in use")
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["bench", "codec", "--old", "missing.safetensors", "--new", "bad.safetensors"],
+     "--old missing.safetensors: no such file"),  # was a FileNotFoundError traceback
+    (["bench", "codec", "--old", "bad.safetensors", "--new", "bad.safetensors"],
+     "--old bad.safetensors: not a readable .safetensors file"),
+    (["bench", "codec", "--old", "bad.safetensors"], "give both --old and --new"),
+    (["bench", "transport", "--size", "0"], "--size 0: must be positive"),
+    (["bootstrap", "--trainer", "foo", "--data-dir", "b"], "--trainer: peer id 'foo'"),
+    (["inspect", "notes.txt"], "notes.txt: not a signed manifest, run card, saved state"),
+    (["simulate", "--peer", "4"], "unrecognized arguments: --peer 4"),  # not --peers 4
+], ids=["codec-missing", "codec-bad", "codec-one", "transport", "bootstrap-trainer",
+        "inspect", "abbreviation"])
+def test_more_bad_input_is_one_error_line(tmp_path: Path, argv: list[str],
+                                          needle: str) -> None:
+    (tmp_path / "bad.safetensors").write_text("not a checkpoint")
+    (tmp_path / "notes.txt").write_text("some notes\n")
+    one_error_line(swarm(*argv, cwd=tmp_path), needle)
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_demo_stops_its_nodes_too(tmp_path: Path) -> None:
+    """A newcomer's trial: ``kill <demo>`` left its nodes running (they run in sessions of
+    their own, which the signal does not reach)."""
+    demo = Lines(["demo", "--steps", "50", "--peers", "2", "--prompts", "8", "--dir", "d"],
+                 tmp_path)
+    with started(demo):
+        demo.wait_line("out", "trainer ", 120)
+        deadline = time.monotonic() + 60
+        nodes = _children(demo.proc.pid)
+        while len(nodes) < 3 and time.monotonic() < deadline:  # the trainer and 2 peers
+            time.sleep(0.2)
+            nodes = _children(demo.proc.pid)
+        assert len(nodes) == 3, nodes
+        demo.proc.send_signal(signal.SIGTERM)
+        assert demo.proc.wait(60) == 130
+        demo.stop()
+        assert demo.err[-1] == "swarm: demo stopped, and its nodes with it", demo.err
+        assert not any(Path(f"/proc/{pid}").exists() for pid in nodes)

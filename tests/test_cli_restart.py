@@ -47,6 +47,8 @@ def test_peer_sigint_then_restarted_follows_every_later_version(
         t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= at, 120, f"step {at}")
         p1.signal(signal.SIGINT)
         assert p1.wait_exit(30) == 130
+        assert p1.stderr.splitlines()[-1].startswith(
+            "swarm: stopped; the same command resumes from "), p1.stderr[-2000:]
         held = max(verified(p1))
         time.sleep(down_s)
         p1b = c.peer("p1", region="r2")
@@ -122,6 +124,8 @@ def test_peer_back_after_longer_than_the_trainers_window_takes_a_keyframe(
         t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= 3, 120, "step 3")
         p1.signal(signal.SIGINT)
         assert p1.wait_exit(30) == 130
+        assert p1.stderr.splitlines()[-1].startswith(
+            "swarm: stopped; the same command resumes from "), p1.stderr[-2000:]
         held = max(verified(p1))
         # the trainer moves past its window of kept deltas while p1 is down
         t.wait_for(lambda e: e.get("event") == "step" and step_of(e) >= held + 4, 120,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.errors import SwarmError
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -57,17 +59,23 @@ class SizeRow:
 def _load_pair(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor],
                                                   dict[str, torch.Tensor], str]:
     if (args.old is None) != (args.new is None):
-        raise SystemExit("swarm bench codec: give both --old and --new, or neither")
+        raise SwarmError("swarm bench codec: give both --old and --new, or neither")
     if args.old is not None:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        def load(path: Path) -> dict[str, torch.Tensor]:
-            with safe_open(str(path), framework="pt") as f:
-                return {k: f.get_tensor(k).contiguous() for k in f.keys()}  # noqa: SIM118
+        def load(flag: str, path: Path) -> dict[str, torch.Tensor]:
+            if not path.is_file():
+                raise SwarmError(f"{flag} {path}: no such file")
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    return {k: f.get_tensor(k).contiguous() for k in f.keys()}  # noqa: SIM118
+            except (SafetensorError, OSError) as exc:
+                raise SwarmError(f"{flag} {path}: not a readable .safetensors file ({exc})"
+                                 ) from None
 
-        old, new = load(args.old), load(args.new)
+        old, new = load("--old", args.old), load("--new", args.new)
         if list(old) != list(new):
-            raise SystemExit("swarm bench codec: the checkpoints hold different tensors")
+            raise SwarmError("swarm bench codec: the checkpoints hold different tensors")
         return old, new, f"{args.old.name} -> {args.new.name}"
     from swarm.bench.workload import PRESETS, WorkloadConfig, delta_pair
 
@@ -442,7 +450,7 @@ def _check_device(name: str) -> None:
     try:
         torch.empty(1, device=torch.device(name))
     except (RuntimeError, AssertionError) as exc:
-        raise SystemExit(f"swarm bench codec: --torch-device {name}: {exc}") from exc
+        raise SwarmError(f"swarm bench codec: --torch-device {name}: {exc}") from exc
 
 
 def _device_extraction(args: argparse.Namespace, old: dict[str, torch.Tensor],

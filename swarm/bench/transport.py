@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.errors import SwarmError
+
 MESSAGE = 4 << 20
 
 
@@ -245,7 +247,7 @@ async def _main(args: argparse.Namespace) -> list[Result]:
 
 def run(args: argparse.Namespace) -> int:
     if args.size <= 0:
-        raise SystemExit("--size must be positive")
+        raise SwarmError(f"--size {args.size}: must be positive")
     print(f"swarm bench transport: loopback, {MESSAGE >> 20} MiB messages, sender and "
           f"receiver in one process (CPU covers both ends; py-libp2p's N connections are "
           f"N concurrent streams on one connection)")

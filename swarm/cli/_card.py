@@ -106,13 +106,16 @@ async def obtain_card(net: Libp2pNode, *, trainer_id: str, run: str, data_dir: P
             warned = True
             here = trainer_id in net.connected_peers()
             if here:
-                why = "it is connected but serves no card (an older swarm?)"
+                why = ("it is connected but serves no run card: is --trainer the id of "
+                       "a bootstrap node or another peer? It takes the id the trainer "
+                       "prints at start")
             else:
                 why = (f"it is not connected ({len(net.connected_peers())} other peer(s) "
                        "are): check that --trainer is the id the trainer prints at start, "
                        "and --bootstrap")
             if others.ids:
-                why += f"; saw run cards signed by {', '.join(others.ids)}"
+                why += (f"; saw run cards signed by {', '.join(others.ids)} (pass the "
+                        "trainer's as --trainer)")
             warn(f"no run card from trainer {trainer_id} within {warn_after:.0f} s; {why}",
                  here, others.ids)
         elif now - said >= 10:

@@ -265,6 +265,8 @@ def run_node(main: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
         try:
             return asyncio.run(main(args))
         except (KeyboardInterrupt, asyncio.CancelledError):
+            print(f"swarm: stopped; the same command resumes from {args.data_dir}",
+                  file=sys.stderr)
             return 130
         except OSError as exc:
             raise UsageError(f"{exc.strerror or exc} ({exc.__class__.__name__})") from None

@@ -62,6 +62,7 @@ def manifest_validator(trainer_keys: list[bytes]) -> Callable[[str, bytes], bool
 
 
 async def _main(args: argparse.Namespace) -> int:
+    from swarm.errors import SignatureError
     from swarm.identity import public_key_from_peer_id
     from swarm.net import topics
     from swarm.net.node import Libp2pNode
@@ -70,7 +71,7 @@ async def _main(args: argparse.Namespace) -> int:
 
     try:
         trainer_keys = [public_key_from_peer_id(t) for t in args.trainers]
-    except ValueError as exc:  # SignatureError: not an Ed25519 peer id
+    except SignatureError as exc:  # not an Ed25519 peer id
         print(f"swarm: error: --trainer: {exc}", file=sys.stderr)
         return 2
     identity = load_identity(args)

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start a `swarm bootstrap` node that the trainer and peers join "
                         "through (default: peers dial the trainer directly)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after SECONDS")
-    p.add_argument("--quiet", action="store_true", help="no live table; one line per step")
+    p.add_argument("--quiet", action="store_true",
+                   help="no live table; one line per step (as when stdout is not a terminal)")
 
 
 @dataclass
@@ -113,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         raise SwarmError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     try:
         return asyncio.run(_main(args))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("swarm: demo stopped, and its nodes with it", file=sys.stderr)
         return 130
 
 
@@ -170,21 +172,27 @@ async def _main(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     join: list[str] = []
-    if args.bootstrap_node:
-        boot = await start(swarm_argv(
-            "bootstrap", "--data-dir", str(base / "bootstrap"), "--status-json",
-            "--listen", "/ip4/127.0.0.1/tcp/0", "--run", "demo"), "bootstrap")
-        async with asyncio.timeout(120):
-            join = ["--bootstrap", str((await ready(boot, "bootstrap"))["addr"])]
-        print(f"bootstrap node at {join[1]}", flush=True)
-    trainer = await start(swarm_argv(
-        "trainer", "--data-dir", str(base / "trainer"), "--status-json",
-        "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
-        "--lr", str(args.lr),
-        "--min-peers", str(args.peers + args.corrupt_peer + (args.cheater is not None)),
-        "--linger", "600",
-        "--region", "r0", "--uplink-mbps", str(args.trainer_uplink_mbps),
-        "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo", *join), "trainer")
+
+    async def start_trainer() -> asyncio.subprocess.Process:
+        if args.bootstrap_node:
+            boot = await start(swarm_argv(
+                "bootstrap", "--data-dir", str(base / "bootstrap"), "--status-json",
+                "--listen", "/ip4/127.0.0.1/tcp/0", "--run", "demo"), "bootstrap")
+            try:
+                async with asyncio.timeout(120):
+                    join.extend(["--bootstrap", str((await ready(boot, "bootstrap"))["addr"])])
+            except TimeoutError:
+                raise SwarmError("the bootstrap node was not ready within 120 s; see "
+                                 f"{base / 'bootstrap.log'}") from None
+            print(f"bootstrap node at {join[1]}", flush=True)
+        return await start(swarm_argv(
+            "trainer", "--data-dir", str(base / "trainer"), "--status-json",
+            "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group),
+            "--lr", str(args.lr),
+            "--min-peers", str(args.peers + args.corrupt_peer + (args.cheater is not None)),
+            "--linger", "600",
+            "--region", "r0", "--uplink-mbps", str(args.trainer_uplink_mbps),
+            "--wan-latency-ms", str(args.wan_latency_ms), "--run", "demo", *join), "trainer")
     n_peers = 0
 
     async def add_peer(corrupt: bool = False, cheat: str | None = None) -> None:
@@ -206,7 +214,15 @@ async def _main(args: argparse.Namespace) -> int:
 
     display = _Display(args.quiet)
     ok = False
+    # SIGTERM stops the demo as Ctrl-C does: its nodes (in sessions of their own, which
+    # neither signal reaches) are stopped before it exits
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    on_term = main_task is not None and sys.platform != "win32"
+    if main_task is not None and on_term:
+        loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
     try:
+        trainer = await start_trainer()
         async with asyncio.timeout(args.timeout):
             ev = await ready(trainer, "trainer")
             st.addr, st.trainer_id = str(ev["addr"]), str(ev["peer_id"])
@@ -238,7 +254,7 @@ async def _main(args: argparse.Namespace) -> int:
                     if args.late_joiner == step_reached:
                         await add_peer()
                         display.line(f"chaos: late joiner started at step {step_reached}")
-                    if args.quiet:
+                    if not display.live:  # --quiet, or stdout is not a terminal
                         display.step_line(st.steps[-1])
                 display.render(st, time.perf_counter() - t_start)
                 live = [p for p in st.peers.values() if not p.killed and p.honest]
@@ -248,6 +264,8 @@ async def _main(args: argparse.Namespace) -> int:
     except TimeoutError:
         display.line(f"demo timed out after {args.timeout:.0f} s")
     finally:
+        if on_term:
+            loop.remove_signal_handler(signal.SIGTERM)
         for proc in procs:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -268,6 +286,8 @@ async def _main(args: argparse.Namespace) -> int:
     _plot(st, base / "demo.png")
     (base / "summary.json").write_text(json.dumps(_summary_json(st, elapsed), indent=2))
     print(f"\nplot: {base / 'demo.png'}   summary: {base / 'summary.json'}   logs: {base}/")
+    print("next: `swarm trainer` runs a trainer of your own; it prints the `swarm peer ...` "
+          "command that joins a peer to it")
     return 0 if ok and verdict else 1
 
 

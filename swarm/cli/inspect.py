@@ -258,7 +258,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise DecodeError(f"{path} is larger than any manifest ({MAX_MANIFEST_BYTES} bytes)")
-    sm = SignedManifest.decode(path.read_bytes(), check_signature=False)
+    try:
+        sm = SignedManifest.decode(path.read_bytes(), check_signature=False)
+    except DecodeError as exc:
+        raise DecodeError(f"{path}: not a signed manifest, run card, saved state, key file "
+                          f"or data directory ({exc})") from None
     lines = describe_manifest(sm, args.trainer)
     print("\n".join(lines))
     valid = sm.verify() and (args.trainer is None or

@@ -11,14 +11,15 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from swarm.errors import SwarmError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("swarm.cli.keys", "write a new Ed25519 identity key and print its peer id"),
-    "inspect": ("swarm.cli.inspect", "pretty-print a signed manifest or a key file"),
+    "inspect": ("swarm.cli.inspect",
+                "pretty-print a signed manifest, run card, saved state, key file or data dir"),
     "demo": ("swarm.cli.demo", "run the end-to-end demo on this machine"),
     "trainer": ("swarm.cli.trainer", "run the built-in GRPO task as trainer and seed"),
     "peer": ("swarm.cli.peer", "join a swarm as a rollout peer"),
@@ -57,7 +58,11 @@ def _load(module: str) -> object:
 
 class _Parser(argparse.ArgumentParser):
     """Bad flags are one ``swarm: error:`` line, as every other error is, not argparse's
-    usage block."""
+    usage block; a flag is spelled out (``--peer 4`` is not taken for ``--peers 4``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"swarm: error: {self.prog}: {message} (see `{self.prog} --help`)\n")

@@ -6,6 +6,7 @@ Accepted forms: ``/ip4/A/tcp/P``, ``/ip6/A/tcp/P`` and ``/dns4/NAME/tcp/P`` (``/
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from swarm.errors import SignatureError
@@ -52,3 +53,20 @@ def parse_tcp_multiaddr(text: str) -> TcpAddress:
         except SignatureError as exc:
             raise PeerUnreachable(f"{text!r:.120}: {exc}") from exc
     return TcpAddress(parts[2], int(parts[4]), peer_id, parts[1])
+
+
+def listen_failure(listen: str) -> str:
+    """Why nothing listens at ``listen``: the error of binding its TCP endpoint once more
+    (a node's transport may log its own failure and go on)."""
+    why = "nothing listens there"
+    try:
+        addr = parse_tcp_multiaddr(listen)
+        family = socket.AF_INET6 if addr.family == "ip6" else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr.host, addr.port))
+    except PeerUnreachable as exc:
+        why = str(exc)
+    except OSError as exc:
+        why = (exc.strerror or str(exc)).lower()
+    return f"cannot listen on {listen}: {why}"

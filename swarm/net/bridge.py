@@ -226,10 +226,10 @@ class TrioGuest:
                     except BaseException as exc:
                         if is_cancellation(exc):
                             raise
-                        logger.warning("trio service %s failed: %r", name, exc)
                         if not ready.done():
-                            ready.set_exception(exc)
+                            ready.set_exception(exc)  # the starter's error
                             return
+                        logger.warning("trio service %s failed: %r", name, exc)
             finally:
                 if not ready.done():
                     ready.set_exception(BridgeClosed(f"trio service {name} stopped"))

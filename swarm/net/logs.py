@@ -43,6 +43,8 @@ _DIAL_FAILED = ("Failed to open TCP stream", "Unexpected error opening TCP strea
                 "Failed to open stream to peer", "MultiselectClient handshake")
 _CLOSED_HERE = ("Error in handle_incoming for peer", "ClosedResourceError")
 _STOPPING = ("[ADDCONN_FAIL]", "Cannot schedule task after service has stopped")
+#: A failed bind: the node fails to start with its own error (``listen_failure``).
+_LISTEN_FAILED = "Failed to start TCP listener for "
 
 
 class DialFailures:
@@ -85,10 +87,13 @@ _DIALS = DialFailures()
 
 
 def _expected(record: logging.LogRecord, level: int) -> bool:
-    """A yamux read of a connection closed here, or a connection arriving as we stop."""
+    """A yamux read of a connection closed here, a connection arriving as we stop, or a
+    failed bind (which the node reports as its own error)."""
     msg = record.msg
     if not isinstance(msg, str):
         return False
+    if msg.startswith(_LISTEN_FAILED):
+        return True
     if level >= logging.ERROR and msg.startswith(_CLOSED_HERE[0]):
         return _CLOSED_HERE[1] in msg
     return msg.startswith(_STOPPING[0]) and _STOPPING[1] in record.getMessage()

@@ -40,7 +40,7 @@ from swarm.errors import DecodeError, LocalProtocolError, SignatureError
 from swarm.identity import Identity
 from swarm.net import libp2p_compat as compat
 from swarm.net import topics
-from swarm.net.addresses import parse_tcp_multiaddr
+from swarm.net.addresses import listen_failure, parse_tcp_multiaddr
 from swarm.net.blobs import CARD_PROTOCOL, BlobServer, read_blob
 from swarm.net.bridge import BridgeClosed, TrioGuest, trio_guest
 from swarm.net.dataplane import DataPlane, DataPlaneConfig
@@ -265,37 +265,49 @@ class Libp2pNode:
         task.add_done_callback(self._tasks.discard)
 
     async def _host_main(self, ready: Any) -> None:
-        from libp2p.custom_types import TProtocol
         from multiaddr import Multiaddr
 
         host = compat.new_secure_host(self.identity.seed)
         if compat.peer_str(host.get_id()) != self._peer_id:
             raise LocalProtocolError("libp2p derived a different peer id from the identity")
         try:
+            failed = ""
             async with host.run([Multiaddr(self.config.listen)]), self._gossip.running(host):
-                host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
-                host.set_stream_handler(TProtocol(META_PROTOCOL), self._directory.serve)
-                host.set_stream_handler(TProtocol(CARD_PROTOCOL), self._card.serve)
-                host.set_stream_handler(TProtocol(REACH_PROTOCOL), self._reach_server.serve)
-                host.get_network().register_notifee(cast("INotifee", Notifee(
-                    self._sockets, self._scores, self._hang_up, self._on_libp2p_disconnected)))
-                self._host = host
-                try:
-                    async with trio.open_nursery() as nursery:
-                        self._nursery = nursery
-                        ready()
-                        await trio.sleep_forever()
-                finally:
-                    self._nursery = None
-                    with trio.move_on_after(5) as scope:
-                        scope.shield = True
-                        await compat.close_all_connections(host, self._sockets)
+                if host.get_addrs():
+                    await self._serve_host(host, ready)
+                else:
+                    # py-libp2p logs a failed bind and runs on, listening nowhere (raised
+                    # here, past its nurseries, which would wrap the error in groups)
+                    failed = listen_failure(self.config.listen)
+            if failed:
+                raise LocalProtocolError(failed)
         finally:
             self._nursery = None
             self._host = None
             with trio.move_on_after(5) as scope, contextlib.suppress(Exception):
                 scope.shield = True
                 await host.close()
+
+    async def _serve_host(self, host: Any, ready: Any) -> None:
+        from libp2p.custom_types import TProtocol
+
+        host.set_stream_handler(TProtocol(MSG_PROTOCOL), self._msg_handler)
+        host.set_stream_handler(TProtocol(META_PROTOCOL), self._directory.serve)
+        host.set_stream_handler(TProtocol(CARD_PROTOCOL), self._card.serve)
+        host.set_stream_handler(TProtocol(REACH_PROTOCOL), self._reach_server.serve)
+        host.get_network().register_notifee(cast("INotifee", Notifee(
+            self._sockets, self._scores, self._hang_up, self._on_libp2p_disconnected)))
+        self._host = host
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                ready()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            with trio.move_on_after(5) as scope:
+                scope.shield = True
+                await compat.close_all_connections(host, self._sockets)
 
     async def _bootstrap(self) -> None:
         if not self.config.bootstrap:

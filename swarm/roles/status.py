@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any, TextIO
 
+from swarm.errors import LocalProtocolError
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,11 @@ class Reporter:
             print("swarm: --metrics-port needs prometheus-client (pip install "
                   "prometheus-client)", file=sys.stderr)
             return
-        prom.start_http_server(port, addr="127.0.0.1")
+        try:
+            prom.start_http_server(port, addr="127.0.0.1")
+        except OSError as exc:
+            why = (exc.strerror or str(exc)).lower()
+            raise LocalProtocolError(f"--metrics-port {port}: {why}") from exc
         self._gauges = {
             "version": prom.Gauge("swarm_version", "policy version held"),
             "verified": prom.Counter("swarm_versions_verified_total", "versions verified"),
