@@ -13,6 +13,7 @@ from test_delta_helpers import gaussian_bf16_pair
 from swarm.bench import codec as bench_codec
 from swarm.bench.workload import ModelShape, WorkloadConfig, delta_pair
 from swarm.delta import _xg
+from swarm.errors import SwarmError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,11 +87,11 @@ def test_bench_refuses_an_unknown_torch_device(tmp_path: Path) -> None:
     old, new = gaussian_bf16_pair(256, 0.012, seed=11)
     save_file(old, str(tmp_path / "a.safetensors"))
     save_file(new, str(tmp_path / "b.safetensors"))
-    with pytest.raises(SystemExit, match="--torch-device nosuch"):
+    with pytest.raises(SwarmError, match="--torch-device nosuch"):
         bench_codec.run(_args(old=tmp_path / "a.safetensors", new=tmp_path / "b.safetensors",
                               repeat=1, threads=2, torch_device="nosuch"))
 
 
 def test_bench_refuses_half_a_checkpoint_pair(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(SwarmError, match="give both --old and --new"):
         bench_codec.run(_args(old=tmp_path / "a.safetensors"))
