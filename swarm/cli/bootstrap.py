@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 
 from swarm.cli._node import (
+    UsageError,
     add_node_arguments,
     add_relay_arguments,
     load_identity,
@@ -72,8 +73,7 @@ async def _main(args: argparse.Namespace) -> int:
     try:
         trainer_keys = [public_key_from_peer_id(t) for t in args.trainers]
     except SignatureError as exc:  # not an Ed25519 peer id
-        print(f"swarm: error: --trainer: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--trainer: {exc}") from None
     identity = load_identity(args)
     report = Reporter("bootstrap", json_out=sys.stdout if args.status_json else None,
                       metrics_port=args.metrics_port)

@@ -23,10 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swarm.cli._node import check_link_flags
+from swarm.cli._node import check_link_flags, stop_on_signals
 from swarm.engines import CHEAT_STRATEGIES
 from swarm.errors import SwarmError
 from swarm.selfcmd import swarm_argv
+
+#: Seconds the demo may take to stop its nodes after Ctrl-C or SIGTERM before it exits
+#: anyway (each node gets 15 s to close, then is killed).
+DEMO_GRACE = 60.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,10 +117,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise SwarmError(f"--timeout {args.timeout:g}: must be a positive number of seconds")
     try:
-        return asyncio.run(_main(args))
+        return asyncio.run(_stoppable(args))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("swarm: demo stopped, and its nodes with it", file=sys.stderr)
         return 130
+
+
+async def _stoppable(args: argparse.Namespace) -> int:
+    """Ctrl-C and SIGTERM stop the demo as they stop a node; its nodes (in sessions of
+    their own, which neither signal reaches) are stopped first (each within 15 s, else
+    killed), within ``DEMO_GRACE``."""
+    async with stop_on_signals(grace=DEMO_GRACE):
+        return await _main(args)
 
 
 async def _spawn(cmd: list[str], log_path: Path) -> asyncio.subprocess.Process:
@@ -214,13 +226,6 @@ async def _main(args: argparse.Namespace) -> int:
 
     display = _Display(args.quiet)
     ok = False
-    # SIGTERM stops the demo as Ctrl-C does: its nodes (in sessions of their own, which
-    # neither signal reaches) are stopped before it exits
-    loop = asyncio.get_running_loop()
-    main_task = asyncio.current_task()
-    on_term = main_task is not None and sys.platform != "win32"
-    if main_task is not None and on_term:
-        loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
     try:
         trainer = await start_trainer()
         async with asyncio.timeout(args.timeout):
@@ -264,8 +269,6 @@ async def _main(args: argparse.Namespace) -> int:
     except TimeoutError:
         display.line(f"demo timed out after {args.timeout:.0f} s")
     finally:
-        if on_term:
-            loop.remove_signal_handler(signal.SIGTERM)
         for proc in procs:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
