@@ -411,6 +411,46 @@ def test_heartbeats_renew_until_the_straggler_cap() -> None:
     assert isinstance(replayed, Verdict) and replayed.reason is Reason.EXPIRED
 
 
+def test_heartbeats_that_cross_the_verdict_cost_an_honest_peer_nothing() -> None:
+    """A trainer's uplink busy with chunks holds its verdict back for seconds; the peer's
+    heartbeats meanwhile reach a lease the trainer already closed. Seen on real processes:
+    2 such heartbeats per lease, 2 points each, banned every honest peer by step 4."""
+    t = make_trainer(n_tasks=200, max_leases_per_peer=64)
+    p = peer(ALICE)
+    now, refused = 1.0, []
+    for _ in range(20):
+        lease = get_lease(t, p, ALICE, now, want=4)
+        res = p.result(lease.lease_id, 0, completions(lease), now)
+        [verdict] = t.handle(res.encode(), now, sender=ALICE.peer_id)
+        assert isinstance(verdict, Verdict) and verdict.reason is Reason.ACCEPTED
+        period = (lease.expires_ms - lease.issued_ms) / 1000 / 3
+        for _ in range(2):  # sent while the verdict waited in the trainer's queue
+            now += period + 0.01
+            [hb] = p.heartbeats(now)
+            [late] = t.handle(hb.encode(), now, sender=ALICE.peer_id)
+            assert isinstance(late, Verdict)
+            refused.append(late.reason)
+        assert p.receive(verdict, now) is Reason.ACCEPTED and lease.lease_id not in p.held
+    assert set(refused) == {Reason.DUPLICATE}
+    assert t.scores.score(ALICE.peer_id) > 0 and not t.scores.banned(ALICE.peer_id)
+    assert t.stats.results_accepted == 20 and len(refused) == 40
+
+
+def test_a_heartbeat_refused_because_a_backup_finished_drops_the_lease() -> None:
+    t = make_trainer(n_tasks=4)
+    pa, pb = peer(ALICE), peer(BOB)
+    la = get_lease(t, pa, ALICE, 0.0, tps=16.0)
+    lb = get_lease(t, pb, BOB, 16.0, tps=16.0)  # overdue: Bob backs Alice up
+    assert submit(t, pb, BOB, lb, 17.0).reason is Reason.ACCEPTED
+    hb = Heartbeat(RUN, la.lease_id, 0, 18000).sign(ALICE)
+    [v] = t.handle(hb.encode(), 18.0, sender=ALICE.peer_id)
+    assert isinstance(v, Verdict) and v.reason is Reason.SUPERSEDED
+    # Alice stops: no more heartbeats, no generating a lease nobody needs.
+    assert pa.receive(v, 18.0) is Reason.SUPERSEDED and la.lease_id not in pa.held
+    assert pa.heartbeats(60.0) == [] and pa.next_deadline() is None
+    assert t.scores.score(ALICE.peer_id) == 0
+
+
 def test_replayed_heartbeat_and_claim_are_refused() -> None:
     t = make_trainer()
     p = peer(ALICE)

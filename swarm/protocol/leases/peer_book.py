@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 _DROPS_LEASE = frozenset({Reason.EXPIRED, Reason.STALE_VERSION, Reason.UNKNOWN_LEASE,
                           Reason.NOT_HOLDER, Reason.REJECTED})
+_CLOSED = frozenset({Reason.DUPLICATE, Reason.SUPERSEDED})
+"""A heartbeat's refusals that say the lease's every task was counted (by our result or a
+backup's): nothing is left to generate or to renew."""
 
 
 @dataclass(slots=True)
@@ -205,7 +208,8 @@ class PeerLeases:
             held.counted.update(verdict.accepted or held.lease.task_ids)
             if held.counted >= set(held.lease.task_ids):
                 del self.held[verdict.lease_id]
-        elif held is not None and verdict.reason in _DROPS_LEASE:
+        elif held is not None and (verdict.reason in _DROPS_LEASE or (
+                verdict.subject == "heartbeat" and verdict.reason in _CLOSED)):
             del self.held[verdict.lease_id]
         return verdict.reason
 

@@ -541,12 +541,15 @@ class TrainerLeases:
         return out
 
     def _live(self, lease_id: bytes, signer: bytes, now: float,
-              ops: list[StateOp]) -> _LeaseRec:
+              ops: list[StateOp], *, heartbeat: bool = False) -> _LeaseRec:
         rec = self._leases.get(lease_id)
         if rec is None:
             state = self._closed.get(lease_id)
             if state is LeaseState.COMPLETED:
-                raise _Refused(Reason.DUPLICATE, "lease already completed")
+                # A heartbeat that crossed our verdict on the wire (it sits behind chunks
+                # on a slow uplink for seconds) is a race, not a fault: it costs nothing,
+                # and the verdict tells the peer to drop the lease.
+                raise _Refused(Reason.DUPLICATE, "lease already completed", free=heartbeat)
             if state is LeaseState.SUPERSEDED:
                 raise _Refused(Reason.SUPERSEDED, "backup leases delivered every task first")
             if state is not None:
@@ -560,7 +563,7 @@ class TrainerLeases:
         return rec
 
     def _heartbeat(self, hb: Heartbeat, peer: str, now: float, ops: list[StateOp]) -> Verdict:
-        rec = self._live(hb.lease_id, hb.signer, now, ops)
+        rec = self._live(hb.lease_id, hb.signer, now, ops, heartbeat=True)
         if hb.time_ms <= rec.last_heartbeat_ms:
             raise _Refused(Reason.REPLAY, "heartbeat not newer than the last")
         rec.last_heartbeat_ms = hb.time_ms
