@@ -523,21 +523,28 @@ def test_staleness_bound_on_results_and_claims() -> None:
     assert isinstance(c, Verdict) and c.reason is Reason.STALE_VERSION
 
 
-def test_a_stale_claim_costs_nothing_while_the_peer_fetches_a_version_inside_the_bound() -> None:
+def test_a_stale_claim_costs_nothing_while_the_peer_fetches_a_newer_version() -> None:
     t = make_trainer(k=1)
-    t.publish_version(1, 1.0)
-    t.publish_version(2, 2.0)  # the bound is now version 1
+    for v in (1, 2, 3):
+        t.publish_version(v, float(v))  # the bound is now version 2
     p = peer(ALICE)
-    for i, (downloading, cost) in enumerate([(2, 0.0), (1, 0.0), (None, 0.5), (3, 0.5)]):
+    cases = [(3, 0.0), (2, 0.0), (1, 0.0), (None, 0.5), (0, 0.5), (4, 0.5)]
+    for i, (downloading, cost) in enumerate(cases):
         before = t.scores.score(ALICE.peer_id)
-        now = 3.0 + i
+        now = 4.0 + i
         [v] = t.handle(p.claim(now, tokens_per_s=4.0, version=0, want=4,
                                downloading=downloading).encode(), now, sender=ALICE.peer_id)
         assert isinstance(v, Verdict) and v.reason is Reason.STALE_VERSION
-        # fetching 2 or 1 is catching up; fetching nothing, or a version the trainer never
-        # published, is not
+        # fetching 3, 2 or even 1 (the first delta of a chain) is catching up; fetching
+        # nothing, the version it holds, or one the trainer never published, is not
         assert before - t.scores.score(ALICE.peer_id) == pytest.approx(cost), downloading
-    assert t.stats.refused["stale_version"] == 4
+    assert t.stats.refused["stale_version"] == len(cases)
+    # A chain catch-up of 5 minutes, claiming every 2 s, leaves the peer in good standing.
+    for i in range(150):
+        now = 20.0 + 2 * i
+        t.handle(p.claim(now, tokens_per_s=4.0, version=0, want=4,
+                         downloading=1 + i % 3).encode(), now, sender=ALICE.peer_id)
+    assert not t.scores.banned(ALICE.peer_id)
 
 
 def test_bad_shapes_and_foreign_tasks_are_refused() -> None:
