@@ -383,6 +383,20 @@ def test_a_listen_port_in_use_is_one_error_line(tmp_path: Path, command: str) ->
     one_error_line(out, f"cannot listen on {listen}: address already in use")
 
 
+@pytest.mark.parametrize("command", ["trainer", "bootstrap"])
+def test_a_port_another_swarm_node_listens_on_is_refused(tmp_path: Path,
+                                                         command: str) -> None:
+    """An adversarial trial: py-libp2p listens with SO_REUSEPORT, so a second node on the
+    same port started and listened too, and the kernel would split dials between them."""
+    with cluster(tmp_path) as c:
+        first = c.bootstrap()
+        listen = c.bootstrap_addr.split("/p2p/")[0]
+        extra = ["--steps", "1"] if command == "trainer" else []
+        out = swarm(command, "--listen", listen, "--data-dir", "second", *extra, cwd=tmp_path)
+        one_error_line(out, f"cannot listen on {listen}: address already in use")
+        assert first.proc.poll() is None  # the first node listens on, alone
+
+
 def test_a_metrics_port_in_use_is_named_in_one_error_line(tmp_path: Path) -> None:
     with held_port() as port:
         out = swarm("bootstrap", "--metrics-port", str(port), "--data-dir", "b",

@@ -55,10 +55,11 @@ def parse_tcp_multiaddr(text: str) -> TcpAddress:
     return TcpAddress(parts[2], int(parts[4]), peer_id, parts[1])
 
 
-def listen_failure(listen: str) -> str:
-    """Why nothing listens at ``listen``: the error of binding its TCP endpoint once more
-    (a node's transport may log its own failure and go on)."""
-    why = "nothing listens there"
+def bind_failure(listen: str) -> str | None:
+    """Why ``listen``'s TCP endpoint cannot be bound (as one more, plain listener), or
+    ``None`` when it can. py-libp2p's listener sets SO_REUSEPORT (for hole punching), so
+    the kernel would let a second node share a port the first listens on and split the
+    dials between them: a plain bind is refused while any process listens there."""
     try:
         addr = parse_tcp_multiaddr(listen)
         family = socket.AF_INET6 if addr.family == "ip6" else socket.AF_INET
@@ -66,7 +67,13 @@ def listen_failure(listen: str) -> str:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((addr.host, addr.port))
     except PeerUnreachable as exc:
-        why = str(exc)
+        return f"cannot listen on {listen}: {exc}"
     except OSError as exc:
-        why = (exc.strerror or str(exc)).lower()
-    return f"cannot listen on {listen}: {why}"
+        return f"cannot listen on {listen}: {(exc.strerror or str(exc)).lower()}"
+    return None
+
+
+def listen_failure(listen: str) -> str:
+    """Why nothing listens at ``listen``: the error of binding its TCP endpoint once more
+    (a node's transport may log its own failure and go on)."""
+    return bind_failure(listen) or f"cannot listen on {listen}: nothing listens there"

@@ -40,7 +40,7 @@ from swarm.errors import DecodeError, LocalProtocolError, SignatureError
 from swarm.identity import Identity
 from swarm.net import libp2p_compat as compat
 from swarm.net import topics
-from swarm.net.addresses import listen_failure, parse_tcp_multiaddr
+from swarm.net.addresses import bind_failure, listen_failure, parse_tcp_multiaddr
 from swarm.net.blobs import CARD_PROTOCOL, BlobServer, read_blob
 from swarm.net.bridge import BridgeClosed, TrioGuest, trio_guest
 from swarm.net.dataplane import DataPlane, DataPlaneConfig
@@ -267,6 +267,8 @@ class Libp2pNode:
     async def _host_main(self, ready: Any) -> None:
         from multiaddr import Multiaddr
 
+        if _fixed_port(self.config.listen) and (taken := bind_failure(self.config.listen)):
+            raise LocalProtocolError(taken)
         host = compat.new_secure_host(self.identity.seed)
         if compat.peer_str(host.get_id()) != self._peer_id:
             raise LocalProtocolError("libp2p derived a different peer id from the identity")
@@ -821,3 +823,11 @@ def _wake(token: trio.lowlevel.TrioToken, event: trio.Event) -> None:
     the bootstrap ended with ``trio.RunFinishedError`` from ``Inbox.close``)."""
     with contextlib.suppress(trio.RunFinishedError):
         token.run_sync_soon(event.set)
+
+
+def _fixed_port(listen: str) -> bool:
+    """Whether ``listen`` names a TCP port of its own (not 0, which the kernel picks)."""
+    try:
+        return parse_tcp_multiaddr(listen).port != 0
+    except PeerUnreachable:
+        return False
