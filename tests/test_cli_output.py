@@ -105,6 +105,26 @@ def test_a_peer_started_in_the_trainers_directory_is_told_to_use_its_own(
                    "give the peer a --data-dir of its own")
 
 
+@pytest.mark.parametrize(("command", "other", "state"), [
+    ("trainer", "peer", "peer.state"), ("bootstrap", "trainer", "leases.sqlite3"),
+    ("peer", "trainer", "published.state")])
+def test_a_node_refuses_the_data_directory_of_another_role(
+        tmp_path: Path, command: str, other: str, state: str) -> None:
+    """An adversarial trial: a trainer on a stopped peer's directory took the peer's key
+    as its own identity and wrote its lease book beside the peer's state."""
+    key = tmp_path / "d" / "node.key"
+    other_id = Identity.load_or_create(key).peer_id
+    (tmp_path / "d" / state).write_bytes(b"state")
+    extra = {"trainer": ["--steps", "1"], "bootstrap": [],
+             "peer": ["--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{OTHER_ID}",
+                      "--trainer", OTHER_ID]}[command]
+    out = swarm(command, "--data-dir", "d", *extra, cwd=tmp_path)
+    one_error_line(out, f"--data-dir d holds a {other}'s state ({state})",
+                   f"give the {command} a --data-dir of its own")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == sorted(["node.key", state])
+    assert Identity.load_or_create(key).peer_id == other_id
+
+
 @pytest.mark.parametrize(("flags", "needle"), [
     (["--peers", "-3"], "--peers -3: must be at least 1 and at most 4096"),
     (["--steps", "-2"], "--steps -2: must be at least 1 and at most 1000"),

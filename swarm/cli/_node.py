@@ -151,6 +151,23 @@ def check_data_dir(path: Path) -> None:
         raise UsageError(f"--data-dir {path} is not writable: {exc.strerror or exc}") from None
 
 
+#: Files that only a node of that role writes in its data directory.
+ROLE_FILES = {"trainer": ("published.state", "leases.sqlite3", "master.pt"),
+              "peer": ("peer.state", "peer.state.journal")}
+
+
+def check_data_dir_role(path: Path, role: str) -> None:
+    """``path`` holds no other role's state: a node takes the ``node.key`` it finds as its
+    own identity, so a trainer started on a peer's directory (an adversarial trial did
+    it) signed as that peer and wrote its lease book beside the peer's state."""
+    for other, names in ROLE_FILES.items():
+        found = [n for n in names if other != role and (path / n).exists()]
+        if found:
+            raise UsageError(f"--data-dir {path} holds a {other}'s state ({found[0]}); a "
+                             f"{role} there would take that {other}'s identity as its own: "
+                             f"give the {role} a --data-dir of its own")
+
+
 @contextlib.contextmanager
 def data_dir_lock(path: Path) -> Iterator[None]:
     """Hold ``path``'s lock while the node runs: a second node on one data directory
@@ -209,6 +226,8 @@ def check_node_args(args: argparse.Namespace) -> None:
                 not args.relay_mbps > 0:
             raise UsageError("--relay-max-circuits, --relay-circuit-mib and --relay-mbps "
                              "must be positive")
+    if getattr(args, "command", None) in ("trainer", "peer", "bootstrap"):
+        check_data_dir_role(args.data_dir, str(args.command))
     check_data_dir(args.data_dir)  # last: it creates the directory
 
 
