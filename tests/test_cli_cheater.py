@@ -46,6 +46,9 @@ def test_every_cheating_peer_is_refused_and_the_honest_one_is_not(tmp_path: Path
             if checks["rejected"].get(peer_id):
                 told = cheaters[strategy].wait_event("rejected", 30)
                 assert told["reason"] in reasons
+        for strategy, peer_id in ids.items():
+            if peer_id in checks["banned"]:  # and a banned peer says so, once
+                cheaters[strategy].wait_event("work_refused", 30, reason="banned")
         tried = [s for s, peer_id in ids.items() if checks["rejected"].get(peer_id)]
         assert len(tried) >= len(CHEAT_STRATEGIES) - 1, (tried, checks)
         honest.wait_for(lambda e: e.get("event") == "verified" and e["version"] >= STEPS, 60,

@@ -40,3 +40,13 @@ async def test_the_no_manifest_warning_names_the_signers_seen(
     err = capsys.readouterr().err
     assert f"no manifest from trainer {TRAINER}" in err
     assert f"saw manifests signed by {OTHER}" in err
+
+
+def test_a_banned_peer_says_so_once_in_plain_words() -> None:
+    """An adversarial trial: a banned cheater, restarted, printed only `version N
+    verified ...; leases 0` lines, never why it got no work."""
+    out = io.StringIO()
+    Reporter("p", human_out=out).emit("work_refused", reason="banned")
+    assert out.getvalue() == ("the trainer BANNED this peer and leases it no work (its log "
+                              "says which results or messages it refused); versions are "
+                              "still followed\n")

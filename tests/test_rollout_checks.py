@@ -138,6 +138,10 @@ async def _run_with_cheater(tmp_path: Path, strategy: str, steps: int = 3
                     counted[a.version] = counted.get(a.version, 0) + 1
             _train_like(master, step)
             await trainer.publish(policies.add(step, inference_state(master)))
+        # the cheater is told: it stops claiming every half second and says so
+        async with asyncio.timeout(10):
+            while not peers[2].work.banned:
+                await asyncio.sleep(0.05)
         # results still being checked when the last step ended
         async with asyncio.timeout(30):
             while not trainer._to_check.empty() or trainer._checking:

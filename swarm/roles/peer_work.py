@@ -43,6 +43,8 @@ class WorkConfig:
     stale_wait: float = 2.0
     """After a claim refused as stale, the longest wait for a newer version before
     claiming again."""
+    banned_retry: float = 30.0
+    """Seconds between claims while the trainer refuses this peer as banned."""
 
 
 class LeasedWork:
@@ -75,6 +77,8 @@ class LeasedWork:
         self.run_over: int | None = None
         """The version this peer held when the trainer said its run finished there
         (:attr:`Reason.RUN_OVER`); ``None`` again once the trainer leases work."""
+        self.banned = False
+        """Whether the trainer's last answer to a claim was :attr:`Reason.BANNED`."""
 
     async def _send(self, data: bytes) -> None:
         with contextlib.suppress(SwarmError):
@@ -141,7 +145,16 @@ class LeasedWork:
                 if self.run_over is not None:
                     self.run_over = None
                     self._status("run_resumed", {"version": held})
+                self.banned = False
                 await self.run_lease(answer)
+            elif answer is Reason.BANNED:
+                # say so once (a restarted peer otherwise followed versions in silence,
+                # leasing nothing), and ask rarely: the ban stands until the trainer's
+                # operator lifts it
+                if not self.banned:
+                    self.banned = True
+                    self._status("work_refused", {"reason": answer.value})
+                await asyncio.sleep(self.config.banned_retry)
             elif answer is Reason.RUN_OVER:
                 if self.run_over is None:
                     self.run_over = held

@@ -178,6 +178,9 @@ class _Progress:
                     f"{f.get('reason')}")
         if event == "dropped":
             return f"dropped neighbour {f.get('peer')}: {f.get('reason')}"
+        if event == "work_refused":
+            return ("the trainer BANNED this peer and leases it no work (its log says which "
+                    "results or messages it refused); versions are still followed")
         if event == "run_resumed":
             return "the trainer went on with the run: leasing work again"
         if event == "resume_refused":
