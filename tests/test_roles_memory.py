@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from swarm.cli.trainer import wait_delivered
 from swarm.content.ids import chunk_id
 from swarm.content.manifest import SignedManifest
 from swarm.delta import EncoderConfig, encode_delta_sync
@@ -116,6 +117,10 @@ async def test_late_joiner_with_other_weights_catches_up_by_keyframe(tmp_path: P
         want = state_root_of(inference_state(master), PIECE)
         assert late.root == want and state_root_of(late.state, PIECE) == want
         assert late.verified == 1  # one keyframe of version 3, no replay of old deltas
+        # `swarm trainer`'s end-of-run count sees it, though it holds none of the deltas
+        # (an adversarial trial: `delivered` said 2 of 3 and the trainer lingered on)
+        have, _ = await wait_delivered(trainer, {ident.peer_id}, 10)
+        assert have == {ident.peer_id}
 
 
 class _GatedEngine(TorchEngine):

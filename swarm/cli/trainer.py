@@ -321,10 +321,12 @@ def _rollout_peers(net: Network, args: argparse.Namespace) -> set[str]:
 
 
 def holders_of_latest(node: TrainerNode) -> set[str]:
-    """Peers that told this trainer they hold every chunk of its latest version."""
-    if not node.manifests:
-        return set()
-    return set(node.driver.exchange.holders_of(node.manifests[-1].id))
+    """Peers that told this trainer they hold every chunk of its latest version (of its
+    delta, or of the keyframe a peer catching up fetched instead)."""
+    held: set[str] = set()
+    for obj in node.latest_objects():
+        held.update(node.driver.exchange.holders_of(obj))
+    return held
 
 
 async def wait_delivered(node: TrainerNode, peers: set[str], timeout: float

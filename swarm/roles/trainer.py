@@ -219,6 +219,17 @@ class TrainerNode(NodeBase):
     def step(self) -> int:
         return self.manifests[-1].manifest.step if self.manifests else -1
 
+    def latest_objects(self) -> list[bytes]:
+        """The objects that carry the newest version: its manifest's, and the keyframe of
+        it made for peers catching up (which then hold that, not the delta's chunks)."""
+        if not self.manifests:
+            return []
+        newest, kf = self.manifests[-1], self._keyframe
+        ids = [newest.id]
+        if kf is not None and kf.manifest.step == newest.manifest.step and kf.id != newest.id:
+            ids.append(kf.id)
+        return ids
+
     # -- restarts ----------------------------------------------------------------------
     async def _restore(self) -> None:
         """Resume from ``data_dir``: the published state (base and journal), its manifests,
