@@ -93,3 +93,22 @@ def test_dial_failures_a_peer_expects_are_summed_up_at_info(
                 now[0] += 61.0
         levels += [r.levelname for r in caplog.records if r.name == "swarm.net.libp2p"]
     assert levels == ["INFO", "WARNING"]
+
+
+def test_a_dial_answered_by_another_peer_id_is_counted_not_printed(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adversarial trial: a --bootstrap with a wrong /p2p id printed 3 raw ERROR lines
+    of libp2p's before the node's own error line."""
+    now = [0.0]
+    monkeypatch.setattr(logs, "_DIALS", DialFailures(clock=lambda: now[0]))
+    expect_dial_failures(False)
+    route_libp2p_logging()
+    with caplog.at_level(logging.DEBUG, logger="swarm.net.libp2p"):
+        log = logging.getLogger("libp2p.network.swarm")
+        for _ in range(2):
+            log.error("failed to upgrade security for peer %s: %s", "12D3KooWx", "bad id")
+            now[0] += 61.0
+    shown = [(r.levelname, r.getMessage()) for r in caplog.records
+             if r.name.startswith("swarm.net.libp2p") and r.levelno >= logging.WARNING]
+    assert shown == [("WARNING", "2 dial(s) failed in the last 61 s: peers that did not "
+                                 "prove the id dialled (2x) (retried with backoff)")]

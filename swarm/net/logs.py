@@ -20,6 +20,9 @@ Two things it takes care of:
   next failure after them (each one is still forwarded at DEBUG); at INFO while
   :func:`expect_dial_failures` says they are expected. A node that cannot reach its
   bootstrap says so in its own error line, without a summary before it.
+- libp2p logs an ERROR for a dial whose security handshake fails ("failed to upgrade
+  security for peer ...": the address answers with another peer id, as when a
+  ``--bootstrap`` names a wrong ``/p2p`` id); it is counted with the failed dials.
 - yamux logs an ERROR ("Error in handle_incoming ... ClosedResourceError") whenever a
   connection this node closed itself is read once more: every refused reconnection of
   a banned peer printed one. It is forwarded at DEBUG.
@@ -40,7 +43,10 @@ PREFIX = "swarm.net.libp2p"
 DIAL_SUMMARY_S = 60.0
 _DIAL_FAILED = ("Failed to open TCP stream", "Unexpected error opening TCP stream",
                 # a stream to a peer whose connection just broke (a peer gone away)
-                "Failed to open stream to peer", "MultiselectClient handshake")
+                "Failed to open stream to peer", "MultiselectClient handshake",
+                # a dial answered by another peer id than the one dialled (the node says
+                # so in its own error line; three raw ERROR lines came before it)
+                "failed to upgrade security for peer ")
 _CLOSED_HERE = ("Error in handle_incoming for peer", "ClosedResourceError")
 _STOPPING = ("[ADDCONN_FAIL]", "Cannot schedule task after service has stopped")
 #: A failed bind: the node fails to start with its own error (``listen_failure``).
@@ -66,6 +72,8 @@ class DialFailures:
         if record.msg.startswith(_DIAL_FAILED[:2]) and isinstance(record.args, tuple) \
                 and record.args:
             target = str(record.args[0]).rsplit(" to ", 1)[-1].removesuffix(" failed")
+        elif record.msg.startswith(_DIAL_FAILED[4]):
+            target = "peers that did not prove the id dialled"
         with self._lock:
             self.count += 1
             self.targets[target] = self.targets.get(target, 0) + 1
