@@ -161,9 +161,11 @@ def check_data_dir_role(path: Path, role: str) -> None:
     own identity, so a trainer started on a peer's directory (an adversarial trial did
     it) signed as that peer and wrote its lease book beside the peer's state."""
     for other, names in ROLE_FILES.items():
-        found = [n for n in names if other != role and (path / n).exists()]
-        if found:
-            raise UsageError(f"--data-dir {path} holds a {other}'s state ({found[0]}); a "
+        if other == role:
+            continue
+        found = next((n for n in names if (path / n).exists()), None)
+        if found is not None:
+            raise UsageError(f"--data-dir {path} holds a {other}'s state ({found}); a "
                              f"{role} there would take that {other}'s identity as its own: "
                              f"give the {role} a --data-dir of its own")
 

@@ -41,12 +41,13 @@ from collections.abc import Callable
 PREFIX = "swarm.net.libp2p"
 #: Shortest time between two summaries of failed dials.
 DIAL_SUMMARY_S = 60.0
+#: A dial answered by another peer id than the one dialled (the node says so in its own
+#: error line; three raw ERROR lines came before it).
+_SECURITY_FAILED = "failed to upgrade security for peer "
 _DIAL_FAILED = ("Failed to open TCP stream", "Unexpected error opening TCP stream",
                 # a stream to a peer whose connection just broke (a peer gone away)
                 "Failed to open stream to peer", "MultiselectClient handshake",
-                # a dial answered by another peer id than the one dialled (the node says
-                # so in its own error line; three raw ERROR lines came before it)
-                "failed to upgrade security for peer ")
+                _SECURITY_FAILED)
 _CLOSED_HERE = ("Error in handle_incoming for peer", "ClosedResourceError")
 _STOPPING = ("[ADDCONN_FAIL]", "Cannot schedule task after service has stopped")
 #: A failed bind: the node fails to start with its own error (``listen_failure``).
@@ -72,7 +73,7 @@ class DialFailures:
         if record.msg.startswith(_DIAL_FAILED[:2]) and isinstance(record.args, tuple) \
                 and record.args:
             target = str(record.args[0]).rsplit(" to ", 1)[-1].removesuffix(" failed")
-        elif record.msg.startswith(_DIAL_FAILED[4]):
+        elif record.msg.startswith(_SECURITY_FAILED):
             target = "peers that did not prove the id dialled"
         with self._lock:
             self.count += 1

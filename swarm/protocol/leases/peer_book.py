@@ -37,9 +37,10 @@ logger = logging.getLogger(__name__)
 
 _DROPS_LEASE = frozenset({Reason.EXPIRED, Reason.STALE_VERSION, Reason.UNKNOWN_LEASE,
                           Reason.NOT_HOLDER, Reason.REJECTED})
-_CLOSED = frozenset({Reason.DUPLICATE, Reason.SUPERSEDED})
-"""A heartbeat's refusals that say the lease's every task was counted (by our result or a
-backup's): nothing is left to generate or to renew."""
+_COUNTED = frozenset({Reason.DUPLICATE, Reason.SUPERSEDED})
+"""Refusals that say tasks were counted already (by our result or a backup's): of a
+result, the tasks it names; of a heartbeat, every task of the lease (it closed), so nothing
+is left to generate or to renew."""
 
 
 @dataclass(slots=True)
@@ -202,14 +203,13 @@ class PeerLeases:
             return verdict.reason
         logger.info("trainer refused our %s for lease %s: %s (%s)", verdict.subject,
                     verdict.lease_id.hex()[:12] or "-", verdict.reason.value, verdict.detail)
-        if held is not None and verdict.subject == "result" and verdict.reason in (
-                Reason.DUPLICATE, Reason.SUPERSEDED):
+        if held is not None and verdict.subject == "result" and verdict.reason in _COUNTED:
             # Counted before (our verdict was lost): the listed tasks, or the whole lease.
             held.counted.update(verdict.accepted or held.lease.task_ids)
             if held.counted >= set(held.lease.task_ids):
                 del self.held[verdict.lease_id]
         elif held is not None and (verdict.reason in _DROPS_LEASE or (
-                verdict.subject == "heartbeat" and verdict.reason in _CLOSED)):
+                verdict.subject == "heartbeat" and verdict.reason in _COUNTED)):
             del self.held[verdict.lease_id]
         return verdict.reason
 
